@@ -1,0 +1,23 @@
+"""sparsecomm: compressed gradient exchange with error feedback for data-parallel training.
+
+Wrap any ``torch.optim`` optimizer in :class:`CompressedOptimizer` and pick a compressor:
+:class:`Dense`, :class:`Cast`, :class:`Threshold` or :class:`TopK`. The compression kernels
+live in ``sparsecomm.triton_kernels`` (Triton for CUDA tensors, torch references on CPU).
+"""
+
+from ._stats import StepStats
+from .compressors import Cast, Compressor, Dense, Threshold, TopK
+from .optimizer import CompressedOptimizer, NonFiniteGradientError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressedOptimizer",
+    "Compressor",
+    "Dense",
+    "Cast",
+    "Threshold",
+    "TopK",
+    "StepStats",
+    "NonFiniteGradientError",
+]

@@ -1,0 +1,70 @@
+"""The few torch.distributed collectives sparsecomm uses, bound to one process group.
+
+Without an initialized process group (or with one rank) every collective is the identity,
+so the optimizer runs locally with the same code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); 2.4 to 2.12
+# have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Communicator:
+    """A process group, with its size and this process's rank in it."""
+
+    def __init__(self, process_group: Any = None):
+        self.group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+        else:
+            if process_group is not None:
+                raise ValueError(
+                    "process_group was given but torch.distributed is not initialized; call "
+                    "torch.distributed.init_process_group(...) first, or pass process_group=None "
+                    "to train on one process"
+                )
+            self.world_size = 1
+            self.rank = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over all ranks (every rank must call)."""
+        if self.distributed:
+            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            dist.all_reduce(tensor, op=reduce_op, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack every rank's equally shaped ``tensor`` into ``[world_size, *shape]``, in rank
+        order (every rank must call)."""
+        if not self.distributed:
+            return tensor.unsqueeze(0)
+        out = tensor.new_empty((self.world_size * tensor.numel(),))
+        _all_gather_single(out, tensor.contiguous().view(-1), group=self.group)
+        return out.view(self.world_size, *tensor.shape)
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, in rank order (every rank must call)."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_from_first_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``tensor`` with the group's rank 0 copy (every rank must call)."""
+        if self.distributed:
+            group = self.group if self.group is not None else dist.group.WORLD
+            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=self.group)
+        return tensor

@@ -1,0 +1,51 @@
+"""What a step sent, for ``opt.last_stats`` and ``opt.total_stats``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepStats:
+    """Bytes and elements one rank sent, in one step (``last_stats``) or in all steps so far
+    (``total_stats``).
+
+    Attributes:
+        bytes_sent: this rank's payload put into the collectives (padding included, the
+            small count and flag exchanges not).
+        dense_bytes: what a float32 all-reduce of the same gradients would put in.
+        elements_sent: gradient elements this rank sent (values, not bytes).
+        elements: gradient elements in the buckets.
+        steps: steps counted (1 in ``last_stats``).
+        skipped_steps: steps skipped because of a non-finite gradient under GradScaler.
+        compress_seconds: time spent compressing (``profile=True`` only, else 0).
+        exchange_seconds: time spent communicating and aggregating (``profile=True`` only).
+    """
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    elements_sent: int = 0
+    elements: int = 0
+    steps: int = 0
+    skipped_steps: int = 0
+    compress_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+
+    @property
+    def density(self) -> float:
+        """Fraction of gradient elements sent."""
+        return self.elements_sent / self.elements if self.elements else 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """``dense_bytes / bytes_sent``: how many times fewer bytes than fp32 all-reduce."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat ``{name: number}``, for ``SummaryWriter.add_scalars`` or a JSON log."""
+        out = asdict(self)
+        out["density"] = self.density
+        return out
+
+    def __add__(self, other: StepStats) -> StepStats:
+        return StepStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})

@@ -1,0 +1,312 @@
+"""The four compressors: what each rank sends for one flat float32 bucket, and how the W
+messages become the averaged gradient.
+
+Each compressor does two things, called by :class:`sparsecomm.CompressedOptimizer` once per
+bucket and step:
+
+- ``compress(grad, residual, world_size)``: local. Adds the error-feedback residual, picks
+  what to send, and leaves in ``residual`` exactly what was not sent.
+- ``exchange(message, comm)``: collective. Sends the message, receives everyone's, and
+  returns ``(1 / W) * sum_r decode(message_r)``, added in rank order so that every rank
+  computes the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from . import _ops
+from ._comm import Communicator
+
+__all__ = ["Compressor", "Dense", "Cast", "Threshold", "TopK"]
+
+# Bytes on the wire per element: dense fp32, and one (int32 index, fp32 value) pair.
+DENSE_ELEMENT_BYTES = 4
+PAIR_BYTES = 8
+
+
+@dataclass
+class Message:
+    """What one rank sends for one bucket.
+
+    Dense messages (``indices is None``) carry ``values`` for every element, pre-multiplied
+    by ``scale``. Sparse messages carry ``count`` (index, value) pairs; ``count_tensor`` is
+    the same count on the device when a kernel produced it without a host sync.
+    """
+
+    numel: int
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+    count: int | None = None
+    count_tensor: torch.Tensor | None = None
+    scale: float = 1.0
+    #: Bytes this rank put into the collectives for this message, set by ``exchange``.
+    wire_bytes: int = 0
+
+    def decode(self) -> torch.Tensor:
+        """The float32 gradient this message stands for (what this rank sent)."""
+        if self.indices is None:
+            return self.values.float() * (1.0 / self.scale)
+        count = self.known_count()
+        dense = torch.zeros(self.numel, dtype=torch.float32, device=self.values.device)
+        dense[self.indices[:count].long()] = self.values[:count]
+        return dense
+
+    def known_count(self) -> int:
+        if self.count is None:
+            self.count = int(self.count_tensor.item())
+        return self.count
+
+
+class Compressor:
+    """Base class of the compressors; not used directly."""
+
+    #: Whether the compressor leaves anything unsent (so error feedback has work to do).
+    keeps_residual = True
+
+    def compress(
+        self, grad: torch.Tensor, residual: torch.Tensor | None, world_size: int
+    ) -> Message:
+        raise NotImplementedError
+
+    def exchange(self, message: Message, comm: Communicator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        """Plain-value description, compared across ranks and stored in checkpoints."""
+        return {"name": type(self).__name__}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Compressor) and self.config() == other.config()
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.config().items())))
+
+
+def average_scale(world_size: int) -> float:
+    """The factor that turns a sum over ranks into their mean (the same float everywhere)."""
+    return 1.0 / world_size
+
+
+def _all_reduce_mean(
+    dense: torch.Tensor, comm: Communicator, message: Message
+) -> torch.Tensor:
+    message.wire_bytes = dense.numel() * dense.element_size()
+    comm.all_reduce_(dense)
+    return dense.mul_(average_scale(comm.world_size))
+
+
+class Dense(Compressor):
+    """Send the full float32 bucket with an all-reduce: plain data parallelism.
+
+    SINGA: ``fusedSynch`` / ``synch``. Nothing is left unsent, so there is no residual.
+
+    Example:
+        >>> sparsecomm.Dense()
+        Dense()
+    """
+
+    keeps_residual = False
+
+    def compress(self, grad, residual, world_size):
+        return Message(numel=grad.numel(), values=grad)
+
+    def exchange(self, message, comm):
+        return _all_reduce_mean(message.values, comm, message)
+
+
+class Cast(Compressor):
+    """Send the bucket as fp16 or bf16 with an all-reduce; the rounding error is the residual.
+
+    Each rank divides by the power of two at or above the world size before the cast, so a
+    sum of W fp16 values cannot overflow; values beyond the half type's range are clamped
+    and the excess stays in the residual. SINGA: ``fusedSynchHalf`` / ``synchHalf``, which
+    drop the rounding error.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+
+    Example:
+        >>> sparsecomm.Cast(torch.bfloat16)
+        Cast(dtype=torch.bfloat16)
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float16):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"Cast(dtype=...) takes a torch.dtype, got {dtype!r} of type "
+                f"{type(dtype).__name__}; use Cast(torch.float16) or Cast(torch.bfloat16)"
+            )
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"Cast(dtype={dtype}) is not supported: dtype must be torch.float16 or "
+                "torch.bfloat16; for float32 use Dense(), for fewer bytes use TopK(density)"
+            )
+        self.dtype = dtype
+
+    def config(self):
+        return {"name": "Cast", "dtype": str(self.dtype)}
+
+    def __repr__(self):
+        return f"Cast(dtype={self.dtype})"
+
+    @staticmethod
+    def prescale(world_size: int) -> float:
+        return 2.0 ** -math.ceil(math.log2(world_size)) if world_size > 1 else 1.0
+
+    def compress(self, grad, residual, world_size):
+        scale = self.prescale(world_size)
+        half = _ops.cast_compress(grad, residual, self.dtype, scale)
+        return Message(numel=grad.numel(), values=half, scale=scale)
+
+    def exchange(self, message, comm):
+        message.wire_bytes = message.values.numel() * message.values.element_size()
+        summed = comm.all_reduce_(message.values)
+        # sum_r half_r / scale / W, as one float factor so every rank rounds alike.
+        return summed.float().mul_(1.0 / (message.scale * comm.world_size))
+
+
+class _Sparse(Compressor):
+    """Shared exchange of (index, value) messages: all-gather, then deterministic sum."""
+
+    def exchange(self, message, comm):
+        world_size, numel = comm.world_size, message.numel
+        if world_size == 1:
+            count = message.known_count()
+            message.wire_bytes = count * PAIR_BYTES
+            return _ops.scatter_add(
+                message.indices[:count].unsqueeze(0),
+                message.values[:count].unsqueeze(0),
+                None,
+                numel,
+                1.0,
+            )
+        counts = self._gather_counts(message, comm)
+        width = max(counts)
+        # An all-gather of `width` pairs from each rank moves (W-1) * width * 8 bytes per
+        # rank; a ring all-reduce of the dense bucket 2 (W-1) / W * 4 * numel. All ranks
+        # know every count, so they all switch to dense together.
+        if width * world_size >= numel:
+            return _all_reduce_mean(message.decode(), comm, message)
+        if message.known_count() == width:
+            payload = torch.cat([message.indices[:width], message.values[:width].view(torch.int32)])
+        else:
+            payload = _pad_pairs(message, width)
+        message.wire_bytes = width * PAIR_BYTES
+        gathered = comm.all_gather(payload)
+        indices = gathered[:, :width].contiguous()
+        values = gathered[:, width:].contiguous().view(torch.float32)
+        fixed = all(c == width for c in counts)
+        return _ops.scatter_add(
+            indices, values, None if fixed else counts, numel, average_scale(world_size)
+        )
+
+    def _gather_counts(self, message: Message, comm: Communicator) -> list[int]:
+        raise NotImplementedError
+
+
+def _pad_pairs(message: Message, width: int) -> torch.Tensor:
+    """This rank's pairs followed by zero padding up to ``width`` (int32 words)."""
+    count = message.known_count()
+    payload = torch.zeros(2 * width, dtype=torch.int32, device=message.values.device)
+    payload[:count] = message.indices[:count]
+    payload[width : width + count] = message.values[:count].view(torch.int32)
+    return payload
+
+
+class Threshold(_Sparse):
+    """Send every element whose magnitude (gradient plus residual) is at least ``threshold``.
+
+    The number sent varies by rank and step: counts are all-gathered first, then the
+    pairs, padded to the largest count. SINGA: ``valSparsAllReduce``.
+
+    Args:
+        threshold: a finite float ``>= 0``. ``Threshold(0.0)`` sends everything.
+
+    Example:
+        >>> sparsecomm.Threshold(1e-3)
+        Threshold(threshold=0.001)
+    """
+
+    def __init__(self, threshold: float):
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
+            raise TypeError(
+                f"Threshold(threshold=...) takes a float, got {threshold!r} of type "
+                f"{type(threshold).__name__}; for example Threshold(1e-3)"
+            )
+        if not (math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(
+                f"Threshold(threshold={threshold}) is invalid: the threshold must be a finite "
+                "number >= 0 (elements with abs(gradient + residual) >= threshold are sent); "
+                "for example Threshold(1e-3)"
+            )
+        self.threshold = float(threshold)
+
+    def config(self):
+        return {"name": "Threshold", "threshold": self.threshold}
+
+    def compress(self, grad, residual, world_size):
+        indices, values, count = _ops.threshold_compress(grad, residual, self.threshold)
+        return Message(numel=grad.numel(), values=values, indices=indices, count_tensor=count)
+
+    def _gather_counts(self, message, comm):
+        local = message.count_tensor.reshape(1).to(torch.int64)
+        counts = comm.all_gather(local).view(-1).tolist()
+        message.count = counts[comm.rank]
+        return counts
+
+
+class TopK(_Sparse):
+    """Send exactly ``k = ceil(density * numel)`` elements of each bucket: the largest
+    magnitudes of gradient plus residual, ties to the lower index.
+
+    SINGA: ``topKSparsAllReduce``, which sorts the whole bucket; sparsecomm selects exactly
+    k without a sort.
+
+    Args:
+        density: the fraction of elements sent, in ``(0, 1]``. ``TopK(1.0)`` sends everything.
+
+    Example:
+        >>> sparsecomm.TopK(density=0.01)
+        TopK(density=0.01)
+    """
+
+    def __init__(self, density: float):
+        if isinstance(density, bool) or not isinstance(density, numbers.Real):
+            raise TypeError(
+                f"TopK(density=...) takes a float, got {density!r} of type "
+                f"{type(density).__name__}; for example TopK(density=0.01) sends 1%"
+            )
+        if not (0 < density <= 1):
+            raise ValueError(
+                f"TopK(density={density}) is invalid: density is the fraction of elements "
+                "sent and must be in (0, 1]; for example TopK(density=0.01) sends 1%"
+            )
+        self.density = float(density)
+
+    def config(self):
+        return {"name": "TopK", "density": self.density}
+
+    def k_for(self, numel: int) -> int:
+        """``ceil(density * numel)``, with density read as the decimal it was written as
+        (so 0.07 of 100 is 7, not 8), and at least 1."""
+        exact = Fraction(repr(self.density)) * numel
+        return max(1, min(numel, math.ceil(exact)))
+
+    def compress(self, grad, residual, world_size):
+        numel = grad.numel()
+        k = self.k_for(numel)
+        indices, values = _ops.topk_compress(grad, residual, k)
+        return Message(numel=numel, values=values, indices=indices, count=k)
+
+    def _gather_counts(self, message, comm):
+        return [message.count] * comm.world_size

@@ -1,0 +1,288 @@
+"""Functions that run on each gloo rank in the distributed tests (see ``_dist.run_ranks``).
+
+Kept apart from the test modules so that a spawned worker imports only torch and
+sparsecomm. Every function takes ``(rank, world_size, ...)`` and returns plain data.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+import sparsecomm
+
+IN, HIDDEN, OUT = 24, 48, 5
+
+
+def make_model(seed: int, hidden: int = HIDDEN) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, hidden),  # 1152 + 48: one compressed, one dense
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),  # 2304 + 48
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, OUT),  # 240 + 5: small, dense
+    )
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def batch(rank: int, step: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch at this step: depends on nothing else, so runs can be replayed."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(size, IN, generator=gen)
+    y = torch.randn(size, OUT, generator=gen)
+    return x, y
+
+
+def train_step(model, opt, rank, step) -> None:
+    x, y = batch(rank, step)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def wrap(model, compressor, optimizer="sgd", **kwargs):
+    return sparsecomm.CompressedOptimizer(
+        make_optimizer(optimizer, model.parameters()),
+        compressor=compressor,
+        bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # ~2600 elements: several buckets
+        **kwargs,
+    )
+
+
+# ------------------------------------------------------------------ sync
+
+
+def sync(rank, world_size, configs, steps):
+    """Train from a different random init on each rank; return the final parameters of
+    each (compressor, optimizer) config."""
+    out = []
+    for compressor, optimizer in configs:
+        model = make_model(seed=rank)  # differs by rank: the wrapper must broadcast
+        opt = wrap(model, compressor, optimizer)
+        for step in range(steps):
+            train_step(model, opt, rank, step)
+        out.append(flat_params(model))
+    return out
+
+
+# ------------------------------------------------------------------ conservation
+
+
+def conservation(rank, world_size, compressor, grads, numel):
+    """One parameter; each case sets this rank's gradient, steps (lr 0) and records the
+    residual before and after and the averaged gradient handed to the optimizer."""
+    param = torch.nn.Parameter(torch.zeros(numel))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD([param], lr=0.0), compressor=compressor, min_compress_numel=0
+    )
+    records = []
+    for case in grads:
+        param.grad = case[rank].clone()
+        old = opt.residual(param)
+        opt.step()
+        records.append((case[rank], old, opt.residual(param), param.grad.clone()))
+    return records
+
+
+# ------------------------------------------------------------------ average
+
+
+def match_ddp(rank, world_size, steps):
+    """Dense() against DistributedDataParallel, and TopK(1.0) / Threshold(0.0) against
+    Dense(), from the same init and data."""
+    results = {}
+    ddp_model = make_model(seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    ddp_opt = make_optimizer("sgd", ddp.parameters())
+    for step in range(steps):
+        train_step(ddp, ddp_opt, rank, step)
+    results["ddp"] = flat_params(ddp_model)
+    for name, compressor in [
+        ("dense", sparsecomm.Dense()),
+        ("topk1", sparsecomm.TopK(1.0)),
+        ("threshold0", sparsecomm.Threshold(0.0)),
+    ]:
+        model = make_model(seed=0)
+        opt = wrap(model, compressor, min_compress_numel=0)
+        for step in range(steps):
+            train_step(model, opt, rank, step)
+        results[name] = flat_params(model)
+    return results
+
+
+# ------------------------------------------------------------------ resume
+
+
+def resume(rank, world_size, phase, directory, configs, save_at, steps):
+    """phase 'full': train ``steps`` steps. 'first': train ``save_at`` steps and save.
+    'second': new processes load the checkpoint and train on to ``steps``."""
+    out = []
+    for index, (compressor, optimizer) in enumerate(configs):
+        model = make_model(seed=0)
+        path = f"{directory}/config{index}_rank{rank}.pt"
+        if phase == "second":
+            saved = torch.load(path, weights_only=True)
+            model.load_state_dict(saved["model"])
+        opt = wrap(model, compressor, optimizer)
+        first = 0
+        if phase == "second":
+            opt.load_state_dict(saved["optimizer"])
+            first = save_at
+        last = save_at if phase == "first" else steps
+        for step in range(first, last):
+            train_step(model, opt, rank, step)
+        if phase == "first":
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+            with open(path, "wb") as f:
+                f.write(buffer.getvalue())
+        out.append(flat_params(model))
+    return out
+
+
+# ------------------------------------------------------------------ no hangs
+
+
+def mismatched_model(rank, world_size):
+    hidden = HIDDEN + (1 if rank == 1 else 0)
+    model = make_model(seed=0, hidden=hidden)
+    try:
+        wrap(model, sparsecomm.TopK(0.1))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def mismatched_count(rank, world_size):
+    model = make_model(seed=0)
+    params = list(model.parameters())
+    if rank == 0:
+        params = params[:-1]
+    try:
+        sparsecomm.CompressedOptimizer(torch.optim.SGD(params, lr=0.1), sparsecomm.TopK(0.1))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _snapshot(model, opt):
+    return (
+        flat_params(model),
+        [opt.residual(p) for p in model.parameters()],
+        {k: v.clone() for k, v in _inner_state(opt).items()},
+    )
+
+
+def _inner_state(opt):
+    out = {}
+    for i, state in enumerate(opt.optimizer.state.values()):
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                out[f"{i}.{key}"] = value
+    return out
+
+
+def _same(a, b) -> bool:
+    params_a, residuals_a, state_a = a
+    params_b, residuals_b, state_b = b
+    return (
+        torch.equal(params_a, params_b)
+        and all(torch.equal(x, y) for x, y in zip(residuals_a, residuals_b))
+        and state_a.keys() == state_b.keys()
+        and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    )
+
+
+def nan_on_one_rank(rank, world_size, bad_value):
+    model = make_model(seed=0)
+    opt = wrap(model, sparsecomm.TopK(0.05), "adamw")
+    for step in range(3):
+        train_step(model, opt, rank, step)
+    before = _snapshot(model, opt)
+    x, y = batch(rank, 3)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if rank == 1:
+        model[2].weight.grad[3, 7] = bad_value
+    try:
+        opt.step()
+    except sparsecomm.NonFiniteGradientError as error:
+        caught = (type(error).__name__, error.ranks, str(error))
+    else:
+        caught = None
+    unchanged = _same(before, _snapshot(model, opt))
+    # The group still works: a clean step goes through on every rank.
+    opt.zero_grad()
+    train_step(model, opt, rank, 4)
+    return caught, unchanged, flat_params(model)
+
+
+def unused_parameters(rank, world_size):
+    """Rank 1 never uses the middle layer; nobody uses an extra head."""
+    model = make_model(seed=0)
+    head = torch.nn.Linear(HIDDEN, 3)
+    params = list(model.parameters()) + list(head.parameters())
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(params, lr=0.05, momentum=0.9), sparsecomm.TopK(0.1), bucket_cap_mb=0.01
+    )
+    for step in range(5):
+        x, y = batch(rank, step)
+        hidden = model[1](model[0](x))
+        if rank != 1:
+            hidden = model[3](model[2](hidden))
+        loss = torch.nn.functional.mse_loss(model[4](hidden), y)
+        loss.backward()
+        opt.step()
+        head_grads_none = head.weight.grad is None and head.bias.grad is None
+        middle_has_grad = model[2].weight.grad is not None
+        opt.zero_grad()
+    return flat_params(model), head_grads_none, middle_has_grad
+
+
+def grad_scaler_overflow(rank, world_size):
+    model = make_model(seed=0)
+    opt = wrap(model, sparsecomm.TopK(0.05), "sgd")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    scales, skipped = [], []
+    for step in range(4):
+        x, y = batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        if step == 2 and rank == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = _snapshot(model, opt)
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(_same(before, _snapshot(model, opt)))
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    residual_finite = all(torch.isfinite(opt.residual(p)).all() for p in model.parameters())
+    return scales, skipped, residual_finite, flat_params(model), opt.total_stats.skipped_steps
+
+
+def residual_is_unscaled(rank, world_size):
+    """Under GradScaler the residual equals what the same step leaves without a scaler."""
+    out = []
+    for use_scaler in (False, True):
+        model = make_model(seed=0)
+        opt = wrap(model, sparsecomm.TopK(0.05), "sgd")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=use_scaler)
+        x, y = batch(rank, 0)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        out.append(torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()]))
+    return out

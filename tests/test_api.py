@@ -1,0 +1,316 @@
+"""The public API on one process: constructor errors, shared param_groups, schedulers,
+state_dict, stats, residuals, and the package layout."""
+
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparsecomm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.ReLU(), torch.nn.Linear(50, 3))
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model, opt, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 40, generator=gen)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ------------------------------------------------------------------ constructor errors
+
+_MODEL = small_model()
+
+# (what, thunk, error type, words the message must contain)
+ERROR_TABLE = [
+    ("TopK(0)", lambda: sparsecomm.TopK(0), ValueError, ["density", "0", "(0, 1]"]),
+    ("TopK(1.5)", lambda: sparsecomm.TopK(1.5), ValueError, ["density", "1.5", "TopK(density=0.01)"]),
+    ("TopK(-0.1)", lambda: sparsecomm.TopK(-0.1), ValueError, ["density", "-0.1"]),
+    ("TopK(nan)", lambda: sparsecomm.TopK(float("nan")), ValueError, ["density", "nan"]),
+    ("TopK('1%')", lambda: sparsecomm.TopK("1%"), TypeError, ["density", "'1%'", "float"]),
+    ("TopK(True)", lambda: sparsecomm.TopK(True), TypeError, ["density", "True"]),
+    ("Threshold(-1)", lambda: sparsecomm.Threshold(-1), ValueError, ["threshold", "-1", ">= 0"]),
+    ("Threshold(inf)", lambda: sparsecomm.Threshold(float("inf")), ValueError, ["threshold", "inf", "finite"]),
+    ("Threshold(None)", lambda: sparsecomm.Threshold(None), TypeError, ["threshold", "None"]),
+    ("Cast(int8)", lambda: sparsecomm.Cast(torch.int8), ValueError, ["dtype", "torch.int8", "torch.float16", "Dense()"]),
+    ("Cast(float32)", lambda: sparsecomm.Cast(torch.float32), ValueError, ["torch.float32", "Dense()"]),
+    ("Cast('fp16')", lambda: sparsecomm.Cast("fp16"), TypeError, ["dtype", "'fp16'", "Cast(torch.float16)"]),
+    (
+        "non-optimizer",
+        lambda: sparsecomm.CompressedOptimizer(_MODEL.parameters(), sparsecomm.Dense()),
+        TypeError,
+        ["optimizer", "generator", "torch.optim.SGD"],
+    ),
+    (
+        "wrapped twice",
+        lambda: sparsecomm.CompressedOptimizer(
+            sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense()), sparsecomm.Dense()
+        ),
+        TypeError,
+        ["already a CompressedOptimizer"],
+    ),
+    (
+        "compressor class, not instance",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.TopK),
+        TypeError,
+        ["compressor", "TopK(density)"],
+    ),
+    (
+        "unknown keyword",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), error_feedbak=False),
+        TypeError,
+        ["'error_feedbak'", "did you mean 'error_feedback'"],
+    ),
+    (
+        "error_feedback not bool",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), error_feedback="yes"),
+        TypeError,
+        ["error_feedback", "'yes'"],
+    ),
+    (
+        "bucket_cap_mb 0",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), bucket_cap_mb=0),
+        ValueError,
+        ["bucket_cap_mb", "0", "25"],
+    ),
+    (
+        "min_compress_numel negative",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), min_compress_numel=-1),
+        ValueError,
+        ["min_compress_numel", "-1"],
+    ),
+    (
+        "process_group without init",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), process_group=object()),
+        ValueError,
+        ["process_group", "init_process_group"],
+    ),
+    (
+        "float64 parameters",
+        lambda: sparsecomm.CompressedOptimizer(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], lr=0.1),
+            sparsecomm.Dense(),
+        ),
+        TypeError,
+        ["torch.float64", "float32"],
+    ),
+]
+
+
+@pytest.mark.parametrize("what,thunk,error,words", ERROR_TABLE, ids=[e[0] for e in ERROR_TABLE])
+def test_constructor_errors_name_argument_value_and_fix(what, thunk, error, words):
+    with pytest.raises(error) as caught:
+        thunk()
+    for word in words:
+        assert word in str(caught.value), f"{what}: {word!r} missing from: {caught.value}"
+
+
+def test_residual_of_a_foreign_tensor_raises():
+    opt = sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.TopK(0.1))
+    with pytest.raises(ValueError, match="not a parameter"):
+        opt.residual(torch.zeros(3))
+
+
+def test_bad_kernel_mode_is_named(monkeypatch):
+    monkeypatch.setenv("SPARSECOMM_KERNELS", "cuda")
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
+    with pytest.raises(ValueError, match="SPARSECOMM_KERNELS='cuda'"):
+        train(model, opt, 1)
+
+
+# ------------------------------------------------------------------ local behaviour
+
+
+def test_local_run_without_process_group_compresses_and_keeps_residuals():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), min_compress_numel=0)
+    assert opt.world_size == 1 and opt.rank == 0
+    train(model, opt, 3)
+    residual = opt.residual(model[0].weight)
+    assert residual.shape == model[0].weight.shape and residual.dtype == torch.float32
+    assert residual.abs().sum() > 0
+    stats = opt.last_stats
+    # One bucket of 2203 elements: k = ceil(0.05 * 2203) = 111 pairs of 8 bytes.
+    assert stats.elements == 40 * 50 + 50 + 50 * 3 + 3
+    assert stats.dense_bytes == 4 * 2203
+    assert stats.elements_sent == 111 and stats.bytes_sent == 8 * 111
+    assert stats.density == 111 / 2203
+    assert opt.total_stats.steps == 3
+    assert opt.total_stats.bytes_sent == 3 * stats.bytes_sent
+    assert set(stats.as_dict()) >= {"bytes_sent", "dense_bytes", "density"}
+
+
+def test_without_error_feedback_residuals_are_zero():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), error_feedback=False)
+    train(model, opt, 2)
+    assert torch.equal(opt.residual(model[0].weight), torch.zeros(50, 40))
+
+
+def test_dense_on_one_process_equals_the_plain_optimizer():
+    a, b = small_model(), small_model()
+    plain = sgd(a)
+    wrapped = sparsecomm.CompressedOptimizer(sgd(b), sparsecomm.Dense())
+    train(a, plain, 5)
+    train(b, wrapped, 5)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_small_parameters_travel_dense_by_default():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.01))
+    train(model, opt, 1)
+    # Only the 2000-element weight is compressed; biases and the 150-element weight are not.
+    assert opt.residual(model[0].weight).abs().sum() > 0
+    for p in (model[0].bias, model[2].weight, model[2].bias):
+        assert torch.equal(opt.residual(p), torch.zeros_like(p))
+
+
+def test_param_groups_are_shared_so_schedulers_and_zero_grad_work():
+    model = small_model()
+    inner = sgd(model)
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.1))
+    assert opt.param_groups is inner.param_groups
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    scheduler.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
+    model(torch.randn(2, 40)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_add_param_group_keeps_residuals_and_compresses_new_params():
+    model = small_model()
+    extra = torch.nn.Linear(40, 30)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), sparsecomm.TopK(0.05), min_compress_numel=0
+    )
+    train(model, opt, 2)
+    before = opt.residual(model[0].weight)
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.01})
+    assert torch.equal(opt.residual(model[0].weight), before)
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.01
+    x = torch.randn(4, 40)
+    (model(x).sum() + extra(x).sum()).backward()
+    opt.step()
+    assert opt.residual(extra.weight).abs().sum() > 0
+
+
+def test_bf16_parameters_keep_fp32_residuals():
+    model = small_model().to(torch.bfloat16)
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), min_compress_numel=0)
+    model(torch.randn(8, 40, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    assert model[0].weight.grad.dtype == torch.bfloat16
+    residual = opt.residual(model[0].weight)
+    assert residual.dtype == torch.float32 and residual.abs().sum() > 0
+
+
+def test_nonfinite_gradient_raises_and_changes_nothing_locally():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, opt, 2)
+    params = [p.detach().clone() for p in model.parameters()]
+    residual = opt.residual(model[0].weight)
+    model(torch.randn(2, 40)).sum().backward()
+    model[0].weight.grad[1, 1] = float("nan")
+    with pytest.raises(sparsecomm.NonFiniteGradientError, match=r"rank\(s\) \[0\]"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, model.parameters()))
+    assert torch.equal(residual, opt.residual(model[0].weight))
+
+
+def test_profile_records_times():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), profile=True)
+    train(model, opt, 1)
+    assert opt.last_stats.compress_seconds > 0 and opt.last_stats.exchange_seconds > 0
+
+
+# ------------------------------------------------------------------ state_dict
+
+
+def test_state_dict_round_trip_with_weights_only_and_resume_is_bitwise():
+    reference, resumed = small_model(), small_model()
+    opt_ref = sparsecomm.CompressedOptimizer(torch.optim.AdamW(reference.parameters()), sparsecomm.TopK(0.05))
+    train(reference, opt_ref, 10, seed=1)
+    buffer = io.BytesIO()
+    torch.save({"model": reference.state_dict(), "opt": opt_ref.state_dict()}, buffer)
+    train(reference, opt_ref, 10, seed=2)
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed.load_state_dict(saved["model"])
+    opt = sparsecomm.CompressedOptimizer(torch.optim.AdamW(resumed.parameters()), sparsecomm.TopK(0.05))
+    opt.load_state_dict(saved["opt"])
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.total_stats.steps == 10
+    train(resumed, opt, 10, seed=2)
+    for p, q in zip(reference.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_errors_say_what_differs():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, opt, 1)
+    state = opt.state_dict()
+
+    other = sparsecomm.CompressedOptimizer(
+        sgd(torch.nn.Sequential(torch.nn.Linear(40, 51), torch.nn.ReLU(), torch.nn.Linear(51, 3))),
+        sparsecomm.TopK(0.05),
+    )
+    with pytest.raises(ValueError, match=r"parameter 0 is shape \(50, 40\) on the checkpoint but shape \(51, 40\)"):
+        other.load_state_dict(state)
+
+    wrong_world = {**state, "sparsecomm": {**state["sparsecomm"], "world_size": 4}}
+    with pytest.raises(ValueError, match="world_size=4.*world_size=1.*opt.optimizer.load_state_dict"):
+        opt.load_state_dict(wrong_world)
+
+    wrong_rank = {**state, "sparsecomm": {**state["sparsecomm"], "rank": 2}}
+    with pytest.raises(ValueError, match="saved by rank 2"):
+        opt.load_state_dict(wrong_rank)
+
+    with pytest.raises(ValueError, match="not a CompressedOptimizer.state_dict"):
+        opt.load_state_dict(sgd(model).state_dict())
+
+
+# ------------------------------------------------------------------ packaging
+
+
+def test_triton_kernels_install_inside_the_sparsecomm_namespace(tmp_path):
+    import sparsecomm.triton_kernels.topk as topk
+
+    assert hasattr(topk, "topk_compress_ref")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path)],
+        check=True,
+        env={**os.environ, "PIP_NO_INDEX": "1"},
+    )
+    (wheel,) = tmp_path.glob("sparsecomm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {name.split("/")[0] for name in names}
+    assert packages == {"sparsecomm", wheel.name.split("-py3")[0] + ".dist-info"}, packages
+    assert "sparsecomm/triton_kernels/topk.py" in names
+    assert not any(name.startswith("triton_kernels/") for name in names)

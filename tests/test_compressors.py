@@ -1,0 +1,129 @@
+"""Compressors on one process: conservation, exactly k, ties, the cast's overflow rule."""
+
+import struct
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import gradients
+
+import sparsecomm
+from sparsecomm.compressors import Cast, Threshold, TopK
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def magnitude_key(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", abs(x)))[0]
+
+
+@st.composite
+def grad_and_residual(draw):
+    grad = draw(gradients(max_size=3000))
+    residual = draw(gradients(sizes=[grad.numel()]))
+    # Keep g + r finite: huge values in both could overflow to inf in the sum.
+    return grad.clamp(-1e37, 1e37).to(DEVICE), residual.clamp(-1e37, 1e37).to(DEVICE)
+
+
+@given(
+    pair=grad_and_residual(),
+    compressor=st.one_of(
+        st.floats(1e-4, 1.0).map(TopK),
+        st.sampled_from([0.0, 1e-30, 0.5, 1.0, 3.0]).map(Threshold),
+    ),
+)
+def test_sparse_conservation_is_exact(pair, compressor):
+    grad, residual = pair
+    expected = grad + residual
+    message = compressor.compress(grad, residual, world_size=1)
+    sent = message.decode()
+    assert torch.equal(sent + residual, expected)
+    # Sent elements leave exactly zero behind; unsent ones leave exactly themselves.
+    was_sent = torch.zeros(grad.numel(), dtype=torch.bool, device=grad.device)
+    was_sent[message.indices[: message.known_count()].long()] = True
+    assert torch.equal(residual[was_sent], torch.zeros_like(residual[was_sent]))
+    assert torch.equal(bits(residual[~was_sent]), bits(expected[~was_sent]))
+
+
+@given(pair=grad_and_residual(), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       world_size=st.sampled_from([1, 2, 3, 8]))
+def test_cast_conservation_within_rounding(pair, dtype, world_size):
+    grad, residual = pair
+    expected = grad + residual
+    message = Cast(dtype).compress(grad, residual, world_size)
+    assert message.values.dtype == dtype
+    assert torch.isfinite(message.values.float()).all()
+    sent = message.decode()
+    # sent + residual re-rounds once in fp32; the residual itself is a single rounding.
+    torch.testing.assert_close(sent + residual, expected, rtol=2**-23, atol=0)
+    # The residual is no larger than half an ulp of the half type, or the clamped excess.
+    limit = torch.finfo(dtype).max / message.scale
+    inside = expected.abs() <= limit
+    eps = torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).smallest_normal / message.scale
+    bound = expected.abs() * eps + tiny
+    assert (residual.abs()[inside] <= bound[inside]).all()
+
+
+def test_cast_fp16_overflow_stays_in_the_residual():
+    grad = torch.tensor([1e6, -70000.0, 65504.0, 1.0], device=DEVICE)
+    residual = torch.zeros(4, device=DEVICE)
+    message = Cast(torch.float16).compress(grad, residual, world_size=2)
+    assert message.scale == 0.5
+    assert torch.isfinite(message.values.float()).all()
+    assert message.values.float().tolist() == [65504.0, -35008.0, 32752.0, 0.5]
+    # -70000 / 2 rounds to -35008 (fp16 spacing 32 there): 16 stays behind.
+    assert residual.tolist() == [1e6 - 131008.0, 16.0, 0.0, 0.0]
+
+
+def _oracle_topk(acc: torch.Tensor, k: int) -> list[int]:
+    keys = [(-magnitude_key(v), i) for i, v in enumerate(acc.tolist())]
+    return sorted(i for _, i in sorted(keys)[:k])
+
+
+@settings(max_examples=100)
+@given(grad=gradients(max_size=2000), density=st.floats(1e-3, 1.0))
+def test_topk_sends_exactly_k_largest_ties_to_lower_index(grad, density):
+    grad = grad.to(DEVICE)
+    compressor = TopK(density)
+    k = compressor.k_for(grad.numel())
+    message = compressor.compress(grad, None, world_size=1)
+    assert message.count == k and message.indices.numel() == k
+    assert message.indices.tolist() == _oracle_topk(grad.cpu(), k)
+    assert torch.equal(bits(message.values), bits(grad[message.indices.long()]))
+
+
+@pytest.mark.parametrize(
+    "values,k,expected",
+    [
+        ([1.0] * 10, 3, [0, 1, 2]),  # all equal
+        ([0.0, -0.0, 0.0, -0.0], 2, [0, 1]),  # signed zeros tie
+        ([-2.0, 2.0, -2.0, 1.0], 2, [0, 1]),  # sign does not matter
+        ([1e-45, 0.0, -1e-45, 1e-44], 2, [0, 3]),  # denormals order by magnitude
+        ([1.0, float("inf"), -float("inf"), 3.0], 3, [1, 2, 3]),
+    ],
+)
+def test_topk_ties_and_edge_values(values, k, expected):
+    grad = torch.tensor(values, dtype=torch.float32, device=DEVICE)
+    message = TopK(k / len(values)).compress(grad, None, world_size=1)
+    assert message.indices.tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "density,numel,k",
+    [(0.07, 100, 7), (0.01, 100, 1), (0.01, 101, 2), (1e-9, 10, 1), (1.0, 123457, 123457),
+     (0.001, 1_000_000, 1000), (0.3, 10, 3)],
+)
+def test_k_is_ceil_of_density_times_numel_as_written(density, numel, k):
+    assert TopK(density).k_for(numel) == k
+
+
+def test_compressors_compare_and_print_by_value():
+    assert TopK(0.01) == TopK(0.01) and TopK(0.01) != TopK(0.02)
+    assert repr(sparsecomm.Threshold(1e-3)) == "Threshold(threshold=0.001)"
+    assert repr(sparsecomm.Cast(torch.bfloat16)) == "Cast(dtype=torch.bfloat16)"
+    assert repr(sparsecomm.Dense()) == "Dense()"
