@@ -6,6 +6,7 @@ so the optimizer runs locally with the same code path.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -33,6 +34,20 @@ class Communicator:
                 )
             self.world_size = 1
             self.rank = 0
+        #: Seconds spent inside collectives since the last reset, when ``timed`` is set
+        #: (each collective then synchronizes the device before and after).
+        self.timed = False
+        self.seconds = 0.0
+
+    def _run(self, collective, tensor: torch.Tensor, *args, **kwargs) -> None:
+        if not self.timed:
+            collective(*args, **kwargs)
+            return
+        _synchronize(tensor)
+        start = time.perf_counter()
+        collective(*args, **kwargs)
+        _synchronize(tensor)
+        self.seconds += time.perf_counter() - start
 
     @property
     def distributed(self) -> bool:
@@ -42,7 +57,7 @@ class Communicator:
         """Reduce ``tensor`` in place over all ranks (every rank must call)."""
         if self.distributed:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            dist.all_reduce(tensor, op=reduce_op, group=self.group)
+            self._run(dist.all_reduce, tensor, tensor, op=reduce_op, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -51,7 +66,7 @@ class Communicator:
         if not self.distributed:
             return tensor.unsqueeze(0)
         out = tensor.new_empty((self.world_size * tensor.numel(),))
-        _all_gather_single(out, tensor.contiguous().view(-1), group=self.group)
+        self._run(_all_gather_single, out, out, tensor.contiguous().view(-1), group=self.group)
         return out.view(self.world_size, *tensor.shape)
 
     def all_gather_object(self, obj: Any) -> list:
@@ -68,3 +83,8 @@ class Communicator:
             group = self.group if self.group is not None else dist.group.WORLD
             dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=self.group)
         return tensor
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)

@@ -19,7 +19,9 @@ class StepStats:
         steps: steps counted (1 in ``last_stats``).
         skipped_steps: steps skipped because of a non-finite gradient under GradScaler.
         compress_seconds: time spent compressing (``profile=True`` only, else 0).
-        exchange_seconds: time spent communicating and aggregating (``profile=True`` only).
+        communicate_seconds: time spent inside collectives (``profile=True`` only).
+        aggregate_seconds: time spent decoding and averaging what arrived (``profile=True``
+            only).
     """
 
     bytes_sent: int = 0
@@ -29,7 +31,8 @@ class StepStats:
     steps: int = 0
     skipped_steps: int = 0
     compress_seconds: float = 0.0
-    exchange_seconds: float = 0.0
+    communicate_seconds: float = 0.0
+    aggregate_seconds: float = 0.0
 
     @property
     def density(self) -> float:

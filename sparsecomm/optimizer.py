@@ -77,8 +77,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         min_compress_numel: parameters with fewer elements travel dense, uncompressed, in
             buckets of their own (default 1024: biases and norms are cheap to send whole,
             and a sparse index costs as much as a value).
-        profile: time compression and exchange in ``last_stats`` (synchronizes the device,
-            so off by default).
+        profile: time compression, communication and aggregation in ``last_stats``
+            (synchronizes the device, so off by default).
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -177,8 +177,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = self._unscale(grad_scaler) if grad_scaler is not None else []
 
+        self._comm.timed, self._comm.seconds = self.profile, 0.0
         grads = [bucket.gather_grads() for bucket in self._buckets]
         bad_ranks, used = self._agree_on_step(grads)
+        agreement_seconds = self._comm.seconds
         stats = StepStats(steps=1, elements=sum(b.numel for b in self._buckets))
         stats.dense_bytes = DENSE_ELEMENT_BYTES * stats.elements
         for flag in found_inf:
@@ -192,6 +194,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         for bucket, grad in zip(self._buckets, grads):
             self._exchange_bucket(bucket, grad, used, stats)
+        stats.communicate_seconds = self._comm.seconds
+        stats.aggregate_seconds -= self._comm.seconds - agreement_seconds
         self._record(stats)
         self.optimizer.step()
         return loss
@@ -390,7 +394,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         stats.bytes_sent += message.wire_bytes
         stats.elements_sent += bucket.numel if message.indices is None else message.known_count()
         stats.compress_seconds += compressed - started
-        stats.exchange_seconds += exchanged - compressed
+        stats.aggregate_seconds += exchanged - compressed  # step() takes the collectives out
 
     def _clock(self) -> float:
         if not self.profile:

@@ -87,7 +87,8 @@ def conservation(rank, world_size, compressor, grads, numel):
     residual before and after and the averaged gradient handed to the optimizer."""
     param = torch.nn.Parameter(torch.zeros(numel))
     opt = sparsecomm.CompressedOptimizer(
-        torch.optim.SGD([param], lr=0.0), compressor=compressor, min_compress_numel=0
+        torch.optim.SGD([param], lr=0.0), compressor=compressor, min_compress_numel=0,
+        profile=True,
     )
     records = []
     for case in grads:
@@ -95,7 +96,7 @@ def conservation(rank, world_size, compressor, grads, numel):
         old = opt.residual(param)
         opt.step()
         records.append((case[rank], old, opt.residual(param), param.grad.clone()))
-    return records
+    return records, opt.last_stats
 
 
 # ------------------------------------------------------------------ average
