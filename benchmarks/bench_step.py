@@ -94,12 +94,11 @@ def run_variant(name, params, args, device):
         shares = " / ".join(
             f"{100 * seconds / total:.0f}%"
             for seconds in (
-                stats.compress_seconds, stats.communicate_seconds, stats.aggregate_seconds
+                stats.compress_seconds,
+                stats.communicate_seconds,
+                stats.aggregate_seconds,
             )
         )
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return statistics.median(times), sent, numel, shares
 
 
@@ -109,9 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument(
-        "--variants", default="DDP,Dense(),Cast(bf16),TopK(0.01),TopK(0.001)"
-    )
+    parser.add_argument("--variants", default="DDP,Dense(),Cast(bf16),TopK(0.01),TopK(0.001)")
     parser.add_argument("--label", default="", help="network path, for the table")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -128,6 +125,8 @@ def main() -> None:
     for params in args.params or [1e8]:
         for name in args.variants.split(","):
             median, sent, numel, shares = run_variant(name, params, args, device)
+            if cuda:
+                torch.cuda.empty_cache()  # the variant's model and state are gone by now
             rows.append(
                 f"| {numel / 1e6:.0f}M | {world_size} | {args.label} | {name} | "
                 f"{median * 1e3:.2f} | {sent / 1e6:.1f} | {shares} |"

@@ -17,7 +17,7 @@ import sparsecomm
 def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

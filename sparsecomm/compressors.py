@@ -97,9 +97,7 @@ def average_scale(world_size: int) -> float:
     return 1.0 / world_size
 
 
-def _all_reduce_mean(
-    dense: torch.Tensor, comm: Communicator, message: Message
-) -> torch.Tensor:
+def _all_reduce_mean(dense: torch.Tensor, comm: Communicator, message: Message) -> torch.Tensor:
     message.wire_bytes = dense.numel() * dense.element_size()
     comm.all_reduce_(dense)
     return dense.mul_(average_scale(comm.world_size))

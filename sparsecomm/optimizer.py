@@ -266,9 +266,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self._load_residuals(ours["residuals"])
-        self.total_stats = StepStats(**{
-            k: v for k, v in ours.get("total_stats", {}).items() if k != "density"
-        })
+        self.total_stats = StepStats(
+            **{k: v for k, v in ours.get("total_stats", {}).items() if k != "density"}
+        )
 
     def __repr__(self) -> str:
         return (
@@ -445,8 +445,7 @@ def _check_arguments(
         )
     if isinstance(optimizer, CompressedOptimizer):
         raise TypeError(
-            "optimizer is already a CompressedOptimizer; wrap the plain torch.optim optimizer "
-            "once"
+            "optimizer is already a CompressedOptimizer; wrap the plain torch.optim optimizer once"
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(

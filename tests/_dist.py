@@ -69,8 +69,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                 with open(path) as f:
                     errors.append(f"--- rank {rank} ---\n{f.read()}")
         if hung:
-            raise AssertionError(f"ranks {hung} still running after {timeout} s (a hang)\n"
-                                 + "\n".join(errors))
+            raise AssertionError(
+                f"ranks {hung} still running after {timeout} s (a hang)\n" + "\n".join(errors)
+            )
         if errors:
             raise AssertionError("worker failed:\n" + "\n".join(errors))
         bad_exit = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]

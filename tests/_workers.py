@@ -87,7 +87,9 @@ def conservation(rank, world_size, compressor, grads, numel):
     residual before and after and the averaged gradient handed to the optimizer."""
     param = torch.nn.Parameter(torch.zeros(numel))
     opt = sparsecomm.CompressedOptimizer(
-        torch.optim.SGD([param], lr=0.0), compressor=compressor, min_compress_numel=0,
+        torch.optim.SGD([param], lr=0.0),
+        compressor=compressor,
+        min_compress_numel=0,
         profile=True,
     )
     records = []

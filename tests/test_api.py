@@ -41,17 +41,42 @@ _MODEL = small_model()
 # (what, thunk, error type, words the message must contain)
 ERROR_TABLE = [
     ("TopK(0)", lambda: sparsecomm.TopK(0), ValueError, ["density", "0", "(0, 1]"]),
-    ("TopK(1.5)", lambda: sparsecomm.TopK(1.5), ValueError, ["density", "1.5", "TopK(density=0.01)"]),
+    (
+        "TopK(1.5)",
+        lambda: sparsecomm.TopK(1.5),
+        ValueError,
+        ["density", "1.5", "TopK(density=0.01)"],
+    ),
     ("TopK(-0.1)", lambda: sparsecomm.TopK(-0.1), ValueError, ["density", "-0.1"]),
     ("TopK(nan)", lambda: sparsecomm.TopK(float("nan")), ValueError, ["density", "nan"]),
     ("TopK('1%')", lambda: sparsecomm.TopK("1%"), TypeError, ["density", "'1%'", "float"]),
     ("TopK(True)", lambda: sparsecomm.TopK(True), TypeError, ["density", "True"]),
     ("Threshold(-1)", lambda: sparsecomm.Threshold(-1), ValueError, ["threshold", "-1", ">= 0"]),
-    ("Threshold(inf)", lambda: sparsecomm.Threshold(float("inf")), ValueError, ["threshold", "inf", "finite"]),
+    (
+        "Threshold(inf)",
+        lambda: sparsecomm.Threshold(float("inf")),
+        ValueError,
+        ["threshold", "inf", "finite"],
+    ),
     ("Threshold(None)", lambda: sparsecomm.Threshold(None), TypeError, ["threshold", "None"]),
-    ("Cast(int8)", lambda: sparsecomm.Cast(torch.int8), ValueError, ["dtype", "torch.int8", "torch.float16", "Dense()"]),
-    ("Cast(float32)", lambda: sparsecomm.Cast(torch.float32), ValueError, ["torch.float32", "Dense()"]),
-    ("Cast('fp16')", lambda: sparsecomm.Cast("fp16"), TypeError, ["dtype", "'fp16'", "Cast(torch.float16)"]),
+    (
+        "Cast(int8)",
+        lambda: sparsecomm.Cast(torch.int8),
+        ValueError,
+        ["dtype", "torch.int8", "torch.float16", "Dense()"],
+    ),
+    (
+        "Cast(float32)",
+        lambda: sparsecomm.Cast(torch.float32),
+        ValueError,
+        ["torch.float32", "Dense()"],
+    ),
+    (
+        "Cast('fp16')",
+        lambda: sparsecomm.Cast("fp16"),
+        TypeError,
+        ["dtype", "'fp16'", "Cast(torch.float16)"],
+    ),
     (
         "non-optimizer",
         lambda: sparsecomm.CompressedOptimizer(_MODEL.parameters(), sparsecomm.Dense()),
@@ -74,13 +99,17 @@ ERROR_TABLE = [
     ),
     (
         "unknown keyword",
-        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), error_feedbak=False),
+        lambda: sparsecomm.CompressedOptimizer(
+            sgd(_MODEL), sparsecomm.Dense(), error_feedbak=False
+        ),
         TypeError,
         ["'error_feedbak'", "did you mean 'error_feedback'"],
     ),
     (
         "error_feedback not bool",
-        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), error_feedback="yes"),
+        lambda: sparsecomm.CompressedOptimizer(
+            sgd(_MODEL), sparsecomm.Dense(), error_feedback="yes"
+        ),
         TypeError,
         ["error_feedback", "'yes'"],
     ),
@@ -92,13 +121,17 @@ ERROR_TABLE = [
     ),
     (
         "min_compress_numel negative",
-        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), min_compress_numel=-1),
+        lambda: sparsecomm.CompressedOptimizer(
+            sgd(_MODEL), sparsecomm.Dense(), min_compress_numel=-1
+        ),
         ValueError,
         ["min_compress_numel", "-1"],
     ),
     (
         "process_group without init",
-        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.Dense(), process_group=object()),
+        lambda: sparsecomm.CompressedOptimizer(
+            sgd(_MODEL), sparsecomm.Dense(), process_group=object()
+        ),
         ValueError,
         ["process_group", "init_process_group"],
     ),
@@ -254,7 +287,9 @@ def test_profile_records_times():
 
 def test_state_dict_round_trip_with_weights_only_and_resume_is_bitwise():
     reference, resumed = small_model(), small_model()
-    opt_ref = sparsecomm.CompressedOptimizer(torch.optim.AdamW(reference.parameters()), sparsecomm.TopK(0.05))
+    opt_ref = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(reference.parameters()), sparsecomm.TopK(0.05)
+    )
     train(reference, opt_ref, 10, seed=1)
     buffer = io.BytesIO()
     torch.save({"model": reference.state_dict(), "opt": opt_ref.state_dict()}, buffer)
@@ -263,7 +298,9 @@ def test_state_dict_round_trip_with_weights_only_and_resume_is_bitwise():
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     resumed.load_state_dict(saved["model"])
-    opt = sparsecomm.CompressedOptimizer(torch.optim.AdamW(resumed.parameters()), sparsecomm.TopK(0.05))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(resumed.parameters()), sparsecomm.TopK(0.05)
+    )
     opt.load_state_dict(saved["opt"])
     assert opt.param_groups is opt.optimizer.param_groups
     assert opt.total_stats.steps == 10
@@ -282,11 +319,15 @@ def test_load_state_dict_errors_say_what_differs():
         sgd(torch.nn.Sequential(torch.nn.Linear(40, 51), torch.nn.ReLU(), torch.nn.Linear(51, 3))),
         sparsecomm.TopK(0.05),
     )
-    with pytest.raises(ValueError, match=r"parameter 0 is shape \(50, 40\) on the checkpoint but shape \(51, 40\)"):
+    with pytest.raises(
+        ValueError, match=r"parameter 0 is shape \(50, 40\) on the checkpoint but shape \(51, 40\)"
+    ):
         other.load_state_dict(state)
 
     wrong_world = {**state, "sparsecomm": {**state["sparsecomm"], "world_size": 4}}
-    with pytest.raises(ValueError, match="world_size=4.*world_size=1.*opt.optimizer.load_state_dict"):
+    with pytest.raises(
+        ValueError, match="world_size=4.*world_size=1.*opt.optimizer.load_state_dict"
+    ):
         opt.load_state_dict(wrong_world)
 
     wrong_rank = {**state, "sparsecomm": {**state["sparsecomm"], "rank": 2}}
@@ -305,8 +346,18 @@ def test_triton_kernels_install_inside_the_sparsecomm_namespace(tmp_path):
 
     assert hasattr(topk, "topk_compress_ref")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
         check=True,
         env={**os.environ, "PIP_NO_INDEX": "1"},
     )

@@ -49,8 +49,11 @@ def test_sparse_conservation_is_exact(pair, compressor):
     assert torch.equal(bits(residual[~was_sent]), bits(expected[~was_sent]))
 
 
-@given(pair=grad_and_residual(), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
-       world_size=st.sampled_from([1, 2, 3, 8]))
+@given(
+    pair=grad_and_residual(),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    world_size=st.sampled_from([1, 2, 3, 8]),
+)
 def test_cast_conservation_within_rounding(pair, dtype, world_size):
     grad, residual = pair
     expected = grad + residual
@@ -115,8 +118,15 @@ def test_topk_ties_and_edge_values(values, k, expected):
 
 @pytest.mark.parametrize(
     "density,numel,k",
-    [(0.07, 100, 7), (0.01, 100, 1), (0.01, 101, 2), (1e-9, 10, 1), (1.0, 123457, 123457),
-     (0.001, 1_000_000, 1000), (0.3, 10, 3)],
+    [
+        (0.07, 100, 7),
+        (0.01, 100, 1),
+        (0.01, 101, 2),
+        (1e-9, 10, 1),
+        (1.0, 123457, 123457),
+        (0.001, 1_000_000, 1000),
+        (0.3, 10, 3),
+    ],
 )
 def test_k_is_ceil_of_density_times_numel_as_written(density, numel, k):
     assert TopK(density).k_for(numel) == k

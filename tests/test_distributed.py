@@ -1,13 +1,13 @@
 """The contract on several gloo processes: sync, conservation, average, resume, no hangs."""
 
+import _workers
 import pytest
 import torch
+from _dist import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import _workers
 import sparsecomm
-from _dist import run_ranks
 
 COMPRESSORS = [
     sparsecomm.Dense(),
@@ -54,8 +54,13 @@ def _expected_average(sents: list[torch.Tensor]) -> torch.Tensor:
 @settings(max_examples=4)
 @given(
     compressor=st.sampled_from(
-        [sparsecomm.TopK(0.01), sparsecomm.TopK(0.1), sparsecomm.Threshold(0.5),
-         sparsecomm.Threshold(1.5), sparsecomm.Cast(torch.float16)]
+        [
+            sparsecomm.TopK(0.01),
+            sparsecomm.TopK(0.1),
+            sparsecomm.Threshold(0.5),
+            sparsecomm.Threshold(1.5),
+            sparsecomm.Cast(torch.float16),
+        ]
     ),
     numel=st.sampled_from([257, 1000, 3001]),
     seed=st.integers(0, 2**16),
@@ -89,8 +94,11 @@ def test_conservation_and_average_three_ranks(compressor, numel, seed):
             # The sum itself runs in fp16 on the wire: rounding of the cast, not exact.
             torch.testing.assert_close(averages[0], expected, rtol=2e-3, atol=2e-3)
         else:
-            sparse_path = compressor.k_for(numel) * world_size < numel if isinstance(
-                compressor, sparsecomm.TopK) else False
+            sparse_path = (
+                compressor.k_for(numel) * world_size < numel
+                if isinstance(compressor, sparsecomm.TopK)
+                else False
+            )
             if sparse_path:
                 assert_bitwise_equal(averages[0], expected, "average vs sum of sent / W")
             else:

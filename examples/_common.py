@@ -1,0 +1,460 @@
+"""Shared parts of the training examples: flags, process group, optimizer, data order,
+checkpoints, logging and the training loop.
+
+Not part of the sparsecomm API: the examples import it from their own directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:
+    import sparsecomm
+except ImportError:  # run from a checkout without `pip install -e .`: use the checkout's copy
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import sparsecomm
+
+try:  # a progress bar is a nicety, not a requirement
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover - exercised only without tqdm
+    tqdm = None
+
+COMPRESSORS = ("dense", "fp16", "bf16", "topk", "threshold")
+LATEST = "latest"  # file in the checkpoint directory naming the last complete checkpoint
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
+    """The flags both examples share; ``defaults`` overrides per example (lr, steps, ...)."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add = parser.add_argument
+    add(
+        "--compressor",
+        choices=COMPRESSORS,
+        default="topk",
+        help="dense: fp32 all-reduce; fp16/bf16: Cast; topk: TopK(--density); "
+        "threshold: Threshold(--threshold)",
+    )
+    add("--density", type=float, default=0.01, help="TopK density (fraction of elements sent)")
+    add("--threshold", type=float, default=1e-3, help="Threshold magnitude")
+    add("--no-error-feedback", action="store_true", help="drop what is not sent")
+    add(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="wrapped optimizer: SGD with momentum 0.9, or AdamW",
+    )
+    add("--lr", type=float, default=0.05, help="peak learning rate")
+    add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    add("--weight-decay", type=float, default=0.0)
+    add("--steps", type=int, default=300, help="optimizer steps in total")
+    add("--batch-size", type=int, default=32, help="examples per rank per step")
+    add("--seed", type=int, default=0, help="model init, data split and data order")
+    add("--eval-every", type=int, default=25, help="evaluate every N steps (and at the end)")
+    add("--bucket-cap-mb", type=float, default=25.0)
+    add(
+        "--min-compress-numel",
+        type=int,
+        default=1024,
+        help="parameters smaller than this travel dense",
+    )
+    add("--checkpoint", metavar="DIR", help="save model + optimizer state under DIR")
+    add("--checkpoint-every", type=int, default=50, metavar="N", help="checkpoint every N steps")
+    add(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint in --checkpoint DIR (fresh start if none)",
+    )
+    add(
+        "--log-json",
+        metavar="PATH",
+        help="rank 0 appends JSON lines: config, per-step train and eval metrics, final",
+    )
+    add("--save-final", metavar="PATH", help="rank 0 saves the final model state_dict here")
+    add(
+        "--stop-after",
+        type=int,
+        metavar="S",
+        help="testing: exit abruptly (os._exit, no cleanup) after step S, like a kill",
+    )
+    add("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flag combinations that cannot work, through ``parser.error`` (exit status 2)."""
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.eval_every < 1 or args.checkpoint_every < 1:
+        parser.error("--eval-every and --checkpoint-every must be >= 1")
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint DIR (the directory to resume from)")
+    if args.compressor == "topk" and not 0 < args.density <= 1:
+        parser.error(f"--density must be in (0, 1], got {args.density}; 1% is 0.01")
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes (NCCL with CUDA, gloo without).
+
+    Run without torchrun, it starts a one-rank group on this machine, so the examples also run
+    as plain ``python examples/train_digits.py``.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_compressor(args: argparse.Namespace) -> sparsecomm.Compressor:
+    if args.compressor == "dense":
+        return sparsecomm.Dense()
+    if args.compressor == "fp16":
+        return sparsecomm.Cast(torch.float16)
+    if args.compressor == "bf16":
+        return sparsecomm.Cast(torch.bfloat16)
+    if args.compressor == "topk":
+        return sparsecomm.TopK(density=args.density)
+    return sparsecomm.Threshold(args.threshold)
+
+
+def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
+    """The wrapped optimizer. Every rank must call it (the wrapper broadcasts rank 0's model)."""
+    if args.optimizer == "sgd":
+        inner = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay
+        )
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    return sparsecomm.CompressedOptimizer(
+        inner,
+        compressor=make_compressor(args),
+        error_feedback=not args.no_error_feedback,
+        bucket_cap_mb=args.bucket_cap_mb,
+        min_compress_numel=args.min_compress_numel,
+    )
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """Learning rate for 0-based ``step``: linear warm-up, then constant. A pure function of the
+    step, so a resumed run needs no scheduler state."""
+    if args.warmup > 0 and step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr
+
+
+# --------------------------------------------------------------------------- data order
+
+
+def shard_batch(
+    num_examples: int, step: int, batch_size: int, seed: int, rank: int, world_size: int
+) -> torch.Tensor:
+    """Indices of this rank's batch at ``step``, like ``DistributedSampler(drop_last=True)``.
+
+    Each epoch is a permutation drawn from ``seed + epoch``; rank ``r`` takes every
+    ``world_size``-th index from ``r`` (disjoint strided shards), and batch ``j`` of the epoch is
+    the ``j``-th slice of its shard. Only ``(seed, step, rank, world_size)`` matter, never how
+    long the process has lived, so a resumed run sees the same batches.
+    """
+    per_rank = num_examples // world_size
+    steps_per_epoch = per_rank // batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"--batch-size {batch_size} is larger than each rank's shard of {per_rank} examples "
+            f"({num_examples} examples over {world_size} ranks); lower --batch-size"
+        )
+    epoch, position = divmod(step, steps_per_epoch)
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(num_examples, generator=generator)[: per_rank * world_size]
+    shard = order[rank::world_size]
+    return shard[position * batch_size : (position + 1) * batch_size]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    """Write to a temporary file in the same directory, then rename over ``path``: a reader
+    (or a resume after a kill) sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if path.suffix == ".json":
+        tmp.write_text(json.dumps(obj, indent=1))
+    else:
+        torch.save(obj, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _config_for_resume(args: argparse.Namespace, world_size: int) -> dict:
+    """What must not change between a run and its resumption."""
+    keys = ("compressor", "optimizer", "batch_size", "seed", "no_error_feedback")
+    config = {key: getattr(args, key) for key in keys}
+    config["density" if args.compressor == "topk" else "threshold"] = (
+        args.density if args.compressor == "topk" else args.threshold
+    )
+    config["world_size"] = world_size
+    return config
+
+
+def save_checkpoint(
+    directory: str, step: int, model: torch.nn.Module, optimizer, args, rank: int, world_size: int
+) -> None:
+    """Save after ``step`` steps: the model (rank 0; identical on all ranks) and one optimizer
+    file per rank (residuals differ by rank). Collective: every rank must call it.
+
+    Layout: ``DIR/step-00000040/{model.pt, optimizer-rank<r>.pt, meta.json}`` and
+    ``DIR/latest`` naming the last complete one; ``latest`` is rewritten only after every rank
+    has written, so a kill at any moment leaves a loadable checkpoint.
+    """
+    root = Path(directory)
+    folder = root / f"step-{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        _atomic_save(model.state_dict(), folder / "model.pt")
+    _atomic_save(optimizer.state_dict(), folder / f"optimizer-rank{rank}.pt")
+    dist.barrier()  # every rank's file is in place
+    if rank == 0:
+        meta = {"step": step, "config": _config_for_resume(args, world_size)}
+        _atomic_save(meta, folder / "meta.json")
+        tmp = root / f".{LATEST}.tmp"
+        tmp.write_text(folder.name + "\n")
+        os.replace(tmp, root / LATEST)
+        for old in root.glob("step-*"):  # keep only the newest complete checkpoint
+            if old.name != folder.name and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    directory: str, model: torch.nn.Module, optimizer, args, rank: int, world_size: int
+) -> int:
+    """Load the last complete checkpoint under ``directory``; return its step (0 if none)."""
+    root = Path(directory)
+    if not (root / LATEST).exists():
+        return 0
+    folder = root / (root / LATEST).read_text().strip()
+    meta = json.loads((folder / "meta.json").read_text())
+    expected = _config_for_resume(args, world_size)
+    if meta["config"] != expected:
+        changed = {
+            key: (meta["config"].get(key), expected.get(key))
+            for key in expected.keys() | meta["config"].keys()
+            if meta["config"].get(key) != expected.get(key)
+        }
+        raise ValueError(
+            f"--resume: checkpoint {folder} was saved with other settings {{flag: (saved, now)}}: "
+            f"{changed}; rerun with the saved flags, or use a fresh --checkpoint DIR"
+        )
+    model.load_state_dict(torch.load(folder / "model.pt", map_location="cpu", weights_only=True))
+    state = torch.load(folder / f"optimizer-rank{rank}.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state)
+    return int(meta["step"])
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def param_checksum(model: torch.nn.Module) -> str:
+    """sha256 of the model's parameters and buffers, in state_dict order: equal iff bitwise."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class JsonLog:
+    """JSON lines from rank 0 (other ranks write nothing). Readers keep the last record per
+    ``(event, step)``: a resumed run appends and repeats the steps after its checkpoint."""
+
+    def __init__(self, path: str | None, rank: int, append: bool):
+        self.handle = None
+        if path and rank == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.handle = open(path, "a" if append else "w")  # noqa: SIM115 - closed in close()
+
+    def write(self, **record: Any) -> None:
+        if self.handle is not None:
+            self.handle.write(json.dumps(record) + "\n")
+            self.handle.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def read_json_log(path: str | Path) -> list[dict]:
+    """The records of a ``--log-json`` file, keeping the last of each ``(event, step)``."""
+    latest: dict[tuple, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            latest[(record.get("event"), record.get("step"))] = record
+    return sorted(latest.values(), key=lambda r: (r.get("step") or 0, r.get("event")))
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    loss_at: Callable[[int], torch.Tensor],
+    evaluate: Callable[[], dict[str, float]],
+    rank: int,
+    world_size: int,
+) -> dict[str, float]:
+    """Train ``args.steps`` steps with the compressed optimizer; return the last evaluation.
+
+    ``loss_at(step)`` computes this rank's loss for 0-based ``step`` (its data must depend only
+    on the step); ``evaluate()`` runs on rank 0 only and returns metrics.
+    """
+    optimizer = make_optimizer(args, model)
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.checkpoint, model, optimizer, args, rank, world_size)
+        if rank == 0:
+            print(
+                f"resumed from step {start}" if start else "no checkpoint: starting at step 0",
+                flush=True,
+            )
+    log = JsonLog(args.log_json, rank, append=args.resume and start > 0)
+    if start == 0:
+        log.write(
+            event="config",
+            step=0,
+            world_size=world_size,
+            compressor=repr(optimizer.compressor),
+            error_feedback=optimizer.error_feedback,
+            **{k: v for k, v in vars(args).items() if k not in ("compressor",)},
+        )
+
+    if start == 0 and rank == 0:  # the curve's starting point: the untrained model
+        log.write(event="eval", step=0, mb_sent=0.0, dense_mb=0.0, **evaluate())
+
+    show = rank == 0 and not args.no_progress and tqdm is not None
+    bar = tqdm(
+        total=args.steps,
+        initial=start,
+        desc=repr(optimizer.compressor),
+        disable=not show,
+        dynamic_ncols=True,
+    )
+    metrics: dict[str, float] = {}
+    started = time.perf_counter()
+    for step in range(start, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(args, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at(step)
+        loss.backward()
+        optimizer.step()
+        done = step + 1
+        stats, total = optimizer.last_stats, optimizer.total_stats
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {done}; lower --lr")
+        log.write(
+            event="train",
+            step=done,
+            loss=loss_value,
+            lr=lr_at(args, step),
+            mb_sent=total.bytes_sent / 1e6,
+            dense_mb=total.dense_bytes / 1e6,
+            density=stats.density,
+            bytes_sent=stats.bytes_sent,
+        )
+        if rank == 0 and (done % args.eval_every == 0 or done == args.steps):
+            metrics = evaluate()
+            log.write(
+                event="eval",
+                step=done,
+                mb_sent=total.bytes_sent / 1e6,
+                dense_mb=total.dense_bytes / 1e6,
+                **metrics,
+            )
+            bar.set_postfix(loss=f"{loss_value:.3f}", **{k: f"{v:.4f}" for k, v in metrics.items()})
+        bar.update(1)
+        if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
+            save_checkpoint(args.checkpoint, done, model, optimizer, args, rank, world_size)
+        if args.stop_after is not None and done == args.stop_after:
+            bar.close()
+            print(f"rank {rank}: --stop-after {done}: exiting abruptly", flush=True)
+            sys.stderr.flush()
+            os._exit(3)  # no cleanup, no destroy_process_group: as if killed
+    bar.close()
+    seconds = time.perf_counter() - started
+    if rank == 0 and not metrics:  # resumed from a checkpoint at the last step: nothing ran
+        metrics = evaluate()
+
+    total = optimizer.total_stats
+    checksum = param_checksum(model)
+    checksums = [None] * world_size
+    dist.all_gather_object(checksums, checksum)
+    print(
+        f"rank {rank}: sent {total.bytes_sent / 1e6:.3f} MB over {total.steps} steps "
+        f"(steps before a resume included); dense fp32 would have sent "
+        f"{total.dense_bytes / 1e6:.3f} MB ({total.compression_ratio:.1f}x fewer bytes)",
+        flush=True,
+    )
+    if rank == 0:
+        if metrics:
+            print("final " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        print(f"steps {start}..{args.steps} in {seconds:.1f} s")
+        print(f"param_sha256={checksum}")
+        in_sync = all(c == checksum for c in checksums)
+        print(f"ranks in sync: {'yes' if in_sync else 'NO: ' + str(checksums)}", flush=True)
+        log.write(
+            event="final",
+            step=args.steps,
+            mb_sent=total.bytes_sent / 1e6,
+            dense_mb=total.dense_bytes / 1e6,
+            param_sha256=checksum,
+            in_sync=in_sync,
+            seconds=seconds,
+            **metrics,
+        )
+        if args.save_final:
+            _atomic_save(model.state_dict(), Path(args.save_final))
+        if not in_sync:
+            raise RuntimeError(f"ranks ended with different parameters: {checksums}")
+    log.close()
+    return metrics

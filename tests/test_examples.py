@@ -1,0 +1,225 @@
+"""The examples run end to end under torchrun with 2 gloo ranks, and a killed digits run
+resumed from its checkpoint ends bitwise where an uninterrupted run ends.
+
+Each torchrun launch costs ~5-15 s on 2 CPU cores (imports, rendezvous), so runs are short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "sklearn", reason="the digits example needs scikit-learn: pip install scikit-learn"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+TIMEOUT_S = 240
+
+
+def torchrun(script: str, *flags: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)
+    env["OMP_NUM_THREADS"] = "1"  # 2 ranks on 2 cores; also silences torchrun's warning
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLES / script),
+        "--no-progress",
+        *flags,
+    ]
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def checksum(result: subprocess.CompletedProcess) -> str:
+    found = re.findall(r"param_sha256=([0-9a-f]{64})", result.stdout)
+    assert len(found) == 1, f"no checksum in output:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return found[0]
+
+
+def check_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    )
+    assert "ranks in sync: yes" in result.stdout, result.stdout
+
+
+def test_digits_reports_accuracy_and_bytes(tmp_path):
+    log = tmp_path / "digits.jsonl"
+    result = torchrun(
+        "train_digits.py",
+        "--compressor",
+        "topk",
+        "--density",
+        "0.01",
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--log-json",
+        str(log),
+    )
+    check_ok(result)
+    accuracy = float(re.search(r"final test_accuracy=([0-9.]+)", result.stdout).group(1))
+    assert 0.0 <= accuracy <= 1.0
+    # Both ranks report their bytes and the dense fp32 figure.
+    sent = re.findall(
+        r"rank (\d): sent ([0-9.]+) MB .* would have sent ([0-9.]+) MB", result.stdout
+    )
+    assert sorted(rank for rank, _, _ in sent) == ["0", "1"], result.stdout
+    for _, mb, dense_mb in sent:
+        assert 0 < float(mb) < float(dense_mb) / 10  # TopK(1%) sends far less than fp32
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [(r["event"], r["step"]) for r in records if r["event"] != "train"]
+    assert events == [("config", 0), ("eval", 0), ("eval", 10), ("eval", 20), ("final", 20)]
+    train = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 21))
+    assert all(b["mb_sent"] > a["mb_sent"] for a, b in zip(train, train[1:]))
+    assert records[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+def test_charlm_reports_validation_loss():
+    result = torchrun(
+        "train_charlm.py",
+        "--compressor",
+        "bf16",
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--text-bytes",
+        "200000",
+        "--val-batches",
+        "2",
+    )
+    check_ok(result)
+    loss = float(re.search(r"final val_loss=([0-9.]+)", result.stdout).group(1))
+    assert 0 < loss < 6.0  # below log(256) = 5.55 plus a margin: it learned something or not
+    assert re.search(r"rank 1: sent [0-9.]+ MB", result.stdout)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--compressor", "topk", "--density", "0.01"],  # SGD momentum + TopK residuals
+        [
+            "--compressor",
+            "threshold",
+            "--threshold",
+            "1e-2",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "3e-3",
+        ],  # AdamW moments + padded Threshold exchange
+    ],
+    ids=["topk-sgd", "threshold-adamw"],
+)
+def test_killed_and_resumed_run_matches_uninterrupted_bitwise(tmp_path, flags):
+    steps = ["--steps", "24", "--eval-every", "8"]
+    uninterrupted = torchrun("train_digits.py", *flags, *steps)
+    check_ok(uninterrupted)
+
+    checkpoint = ["--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "8"]
+    # Killed (os._exit, no cleanup) after step 13: the last checkpoint is step 8, so the
+    # resumed run redoes steps 9..13 and must see the same batches.
+    killed = torchrun("train_digits.py", *flags, *steps, *checkpoint, "--stop-after", "13")
+    assert killed.returncode != 0, killed.stdout
+    assert "--stop-after 13: exiting abruptly" in killed.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000008"
+
+    resumed = torchrun("train_digits.py", *flags, *steps, *checkpoint, "--resume")
+    check_ok(resumed)
+    assert "resumed from step 8" in resumed.stdout
+    assert checksum(resumed) == checksum(uninterrupted)
+
+
+def _common():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return _common
+
+
+def test_shard_batch_is_disjoint_and_depends_only_on_seed_and_step():
+    common = _common()
+    n, batch, world = 101, 8, 3  # 33 examples per rank, 4 batches per epoch, 5 left over
+    for step in (0, 3, 4, 11):
+        shards = [common.shard_batch(n, step, batch, 7, rank, world) for rank in range(world)]
+        assert all(len(s) == batch for s in shards)
+        union = set().union(*(set(s.tolist()) for s in shards))
+        assert len(union) == world * batch, f"ranks overlap at step {step}: {shards}"
+        again = common.shard_batch(n, step, batch, 7, 1, world)
+        assert again.equal(shards[1])
+    # One epoch on one rank visits distinct examples; the next epoch is another permutation.
+    epoch0 = torch.cat([common.shard_batch(n, s, batch, 7, 0, world) for s in range(4)])
+    epoch1 = torch.cat([common.shard_batch(n, s, batch, 7, 0, world) for s in range(4, 8)])
+    assert len(set(epoch0.tolist())) == 32 and not epoch0.equal(epoch1)
+    with pytest.raises(ValueError, match="--batch-size"):
+        common.shard_batch(10, 0, 8, 0, 0, 2)
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    """The settings check runs before anything is loaded, so no process group is needed."""
+    common = _common()
+    parser = common.make_parser("test")
+    saved = parser.parse_args(["--compressor", "topk", "--checkpoint", str(tmp_path)])
+    folder = tmp_path / "step-00000002"
+    folder.mkdir()
+    meta = {"step": 2, "config": common._config_for_resume(saved, 2)}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / common.LATEST).write_text(folder.name)
+    now = parser.parse_args(["--compressor", "bf16", "--checkpoint", str(tmp_path), "--resume"])
+    with pytest.raises(
+        ValueError, match=r"--resume: checkpoint .*'compressor': \('topk', 'bf16'\)"
+    ):
+        common.load_checkpoint(str(tmp_path), None, None, now, 0, 2)
+    with pytest.raises(ValueError, match=r"'world_size': \(2, 4\)"):
+        common.load_checkpoint(str(tmp_path), None, None, saved, 0, 4)
+    # No checkpoint yet: --resume starts at step 0.
+    assert common.load_checkpoint(str(tmp_path / "empty"), None, None, saved, 0, 2) == 0
+
+
+def test_compare_writes_plot_and_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
+    out = tmp_path / "compare"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "compare.py"),
+            "--out",
+            str(out),
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--runs",
+            "dense",
+            "topk-ef",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert (out / "compare.png").stat().st_size > 10_000
+    table = (out / "results.md").read_text()
+    assert "| Dense fp32 |" in table and "| TopK(0.01) + EF |" in table
+    dense_row = next(line for line in table.splitlines() if line.startswith("| Dense fp32"))
+    assert "1.0000 (1/1.0)" in dense_row

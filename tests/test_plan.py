@@ -1,0 +1,301 @@
+"""The planner's figures against hand computations, its unit parsing, errors and CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsecomm.plan import (
+    allgather_bytes,
+    allreduce_bytes,
+    comm_time,
+    crossover_density,
+    format_plan,
+    num_buckets,
+    parse_bandwidth,
+    parse_count,
+    parse_latency,
+    plan,
+    recommend,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+GBIT_25 = 25e9 / 8  # 25 Gbit/s = 3.125e9 bytes/s
+
+
+def rows_by_name(rows):
+    return {row.name: row for row in rows}
+
+
+# --------------------------------------------------------------------------- DESIGN.md's numbers
+
+
+def test_design_dense_allreduce_1e8_fp32_at_w8_25gbit_is_about_220ms():
+    # 2 (W-1)/W * 4 B * n = 2 * 7/8 * 4 * 1e8 = 7e8 bytes; 7e8 B / 3.125e9 B/s = 0.224 s.
+    nbytes = allreduce_bytes(1e8, 8, 4)
+    assert nbytes == 7e8
+    seconds = comm_time(nbytes, parse_bandwidth("25Gbit"))
+    assert seconds == pytest.approx(0.224, rel=1e-12)
+    assert 0.2 < seconds < 0.25  # DESIGN.md: "~220 ms"
+
+
+@pytest.mark.parametrize(
+    "world_size, expected",
+    [
+        (8, 0.125),  # 1/8 = 12.5%
+        (64, 0.015625),  # 1/64 = 1.5625%, DESIGN.md's "1.6%"
+        (2, 0.5),
+    ],
+)
+def test_design_crossover_is_one_over_w_for_8_byte_pairs(world_size, expected):
+    assert crossover_density(world_size) == expected
+    # At the crossover the two byte counts are equal: (W-1) * (n/W) * 8 == 2 (W-1)/W * 4 n.
+    n = 1e8
+    assert allgather_bytes(expected * n, world_size, 8) == pytest.approx(
+        allreduce_bytes(n, world_size, 4), rel=1e-12
+    )
+
+
+def test_crossover_general_formula():
+    # k/n = 2e / (W b): fp32 against 6-byte pairs (half values) at W=8: 8 / 48 = 1/6.
+    assert crossover_density(8, 4, 6) == pytest.approx(1 / 6, rel=1e-12)
+    # 2-byte all-reduce against 8-byte pairs at W=64: 4 / 512 = 1/128.
+    assert crossover_density(64, 2, 8) == 1 / 128
+
+
+def test_crossover_with_latency_equalises_the_times():
+    # n=1e6, W=4, 1 GB/s, 10 us, one bucket:
+    # 1/4 + 1 * 1e-5 s * 1e9 B/s / (1e6 * 8 B) = 0.25 + 1e4 / 8e6 = 0.25 + 0.00125 = 0.25125.
+    d = crossover_density(4, n=1e6, bandwidth=1e9, latency=10e-6, buckets=1)
+    assert d == pytest.approx(0.25125, rel=1e-12)
+    dense = comm_time(allreduce_bytes(1e6, 4), 1e9, 10e-6, 2 * 3)
+    sparse = comm_time(allgather_bytes(d * 1e6, 4), 1e9, 10e-6, 3)
+    assert sparse == pytest.approx(dense, rel=1e-12)
+
+
+# --------------------------------------------------------------------------- plan() figures
+
+
+def test_plan_w8_25gbit_no_latency():
+    rows = rows_by_name(plan(1e8, 8, GBIT_25, densities=(0.01, 0.1)))
+    # Dense: 7e8 B -> 0.224 s (above).
+    assert rows["Dense fp32"].bytes_per_rank == 7e8
+    assert rows["Dense fp32"].time_s == pytest.approx(0.224, rel=1e-12)
+    # Cast: 2 * 7/8 * 2 B * 1e8 = 3.5e8 B -> 3.5e8 / 3.125e9 = 0.112 s, 2x.
+    for name in ("Cast fp16", "Cast bf16"):
+        assert rows[name].bytes_per_rank == 3.5e8
+        assert rows[name].time_s == pytest.approx(0.112, rel=1e-12)
+        assert rows[name].speedup == pytest.approx(2.0, rel=1e-12)
+    # TopK 1%: k = 1e6; 7 * 1e6 * 8 B = 5.6e7 B -> 5.6e7 / 3.125e9 = 0.01792 s, 12.5x.
+    assert rows["TopK 1%"].bytes_per_rank == 5.6e7
+    assert rows["TopK 1%"].time_s == pytest.approx(0.01792, rel=1e-12)
+    assert rows["TopK 1%"].speedup == pytest.approx(12.5, rel=1e-12)
+    # TopK 10%: 7 * 1e7 * 8 = 5.6e8 B < 7e8 B: still below the 12.5% crossover.
+    assert rows["TopK 10%"].bytes_per_rank == 5.6e8
+    assert not rows["TopK 10%"].above_crossover
+
+
+def test_plan_with_latency_and_one_bucket():
+    # n=1e6, W=4, 1 GB/s, 10 us; 1e6 fp32 = 4 MB fits one 25 MiB bucket.
+    rows = rows_by_name(plan(1e6, 4, 1e9, latency=10e-6, densities=(0.01,)))
+    # Dense: 2 * 3/4 * 4 * 1e6 = 6e6 B -> 6e-3 s, + 2 (W-1) = 6 terms * 1e-5 s -> 6.06e-3 s.
+    assert rows["Dense fp32"].bytes_per_rank == 6e6
+    assert rows["Dense fp32"].latency_terms == 6
+    assert rows["Dense fp32"].time_s == pytest.approx(6.06e-3, rel=1e-12)
+    # TopK 1%: k = 1e4; 3 * 1e4 * 8 = 2.4e5 B -> 2.4e-4 s, + 3 terms * 1e-5 = 3e-5 -> 2.7e-4 s.
+    assert rows["TopK 1%"].bytes_per_rank == 2.4e5
+    assert rows["TopK 1%"].latency_terms == 3
+    assert rows["TopK 1%"].time_s == pytest.approx(2.7e-4, rel=1e-12)
+    # Threshold 1%: the same pairs + an all-gather of int64 counts: 2.4e5 + 3 * 8 = 240024 B,
+    # two all-gathers = 6 terms: 2.40024e-4 + 6e-5 = 3.00024e-4 s.
+    assert rows["Threshold 1%"].bytes_per_rank == 240024
+    assert rows["Threshold 1%"].time_s == pytest.approx(3.00024e-4, rel=1e-12)
+
+
+def test_plan_13b_w64_25gbit_20us_buckets():
+    # 25 MiB buckets hold 25 * 2**20 / 4 = 6553600 fp32; 1.3e9 / 6553600 = 198.36 -> 199 buckets.
+    assert num_buckets(1.3e9) == 199
+    rows = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6))
+    # Dense: 2 * 63/64 * 4 * 1.3e9 = 1.02375e10 B -> 3.276 s; 2 * 63 * 199 = 25074 terms * 2e-5 s
+    # = 0.50148 s; total 3.77748 s.
+    dense = rows["Dense fp32"]
+    assert dense.bytes_per_rank == pytest.approx(1.02375e10, rel=1e-12)
+    assert dense.latency_terms == 25074
+    assert dense.time_s == pytest.approx(3.77748, rel=1e-12)
+    # TopK 0.1%: k = 1.3e6; 63 * 1.3e6 * 8 = 6.552e8 B -> 0.209664 s; 63 * 199 = 12537 terms
+    # * 2e-5 = 0.25074 s; total 0.460404 s.
+    topk = rows["TopK 0.1%"]
+    assert topk.bytes_per_rank == pytest.approx(6.552e8, rel=1e-12)
+    assert topk.time_s == pytest.approx(0.460404, rel=1e-12)
+    # TopK 10% is above the 1/64 crossover: sparsecomm would send dense.
+    assert rows["TopK 10%"].above_crossover and not rows["TopK 1%"].above_crossover
+    # Time crossover: 1/64 + 199 * 2e-5 * 3.125e9 / (1.3e9 * 8) = 0.015625 + 1.24375e7 / 1.04e10
+    # = 0.015625 + 0.00119591346... = 0.01682091346...
+    assert crossover_density(
+        64, n=1.3e9, bandwidth=GBIT_25, latency=20e-6, buckets=199
+    ) == pytest.approx(0.015625 + 1.24375e7 / 1.04e10, rel=1e-12)
+
+
+def test_num_buckets_edges():
+    assert num_buckets(6553600) == 1
+    assert num_buckets(6553601) == 2
+    assert num_buckets(1, bucket_cap_mb=1) == 1
+
+
+def test_single_rank_communicates_nothing():
+    rows = plan(1e6, 1, GBIT_25)
+    assert all(row.bytes_per_rank == 0 for row in rows)
+    assert "Dense()" in recommend(rows, 1)
+
+
+def test_recommendation_follows_the_model():
+    # W=8, 1e8: TopK 1% (17.9 ms) beats Cast bf16 (112 ms); 10% (179 ms) does not.
+    assert "TopK(density=0.01)" in recommend(plan(1e8, 8, GBIT_25), 8)
+    # W=64: 1% moves 63 * 0.01 * 8 = 5.04 B/element, more than bf16's 2 * 63/64 * 2 = 3.94:
+    # only 0.1% beats bf16; without it the answer is Cast(torch.bfloat16).
+    assert "TopK(density=0.001)" in recommend(plan(1.3e9, 64, GBIT_25), 64)
+    assert (
+        "Cast(torch.bfloat16)"
+        in recommend(plan(1.3e9, 64, GBIT_25, densities=(0.01, 0.1)), 64).split(":")[0]
+    )
+
+
+# --------------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("25Gbit", 25e9 / 8),
+        ("100Gbit", 100e9 / 8),
+        ("100Gbit/s", 100e9 / 8),
+        ("25 Gbit", 25e9 / 8),
+        ("25gbit", 25e9 / 8),
+        ("400Gbps", 400e9 / 8),
+        ("10Gb", 10e9 / 8),
+        ("100Mbit", 100e6 / 8),
+        ("10GB", 10e9),
+        ("10GB/s", 10e9),
+        ("12.5GBps", 12.5e9),
+        ("1GiB", 2**30),
+        ("1e3MB", 1e9),
+    ],
+)
+def test_parse_bandwidth(text, expected):
+    assert parse_bandwidth(text) == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("20us", 2e-5), ("20µs", 2e-5), ("5ms", 5e-3), ("800ns", 8e-7), ("1s", 1.0), ("0", 0.0)],
+)
+def test_parse_latency(text, expected):
+    assert parse_latency(text) == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    "text, expected", [("1.3e9", 1.3e9), ("350M", 3.5e8), ("7B", 7e9), ("125k", 1.25e5)]
+)
+def test_parse_count(text, expected):
+    assert parse_count(text) == expected
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: parse_bandwidth("25"), ["bandwidth", "no unit", "25Gbit"]),
+        (lambda: parse_bandwidth(25e9), ["bandwidth", "no unit"]),
+        (lambda: parse_bandwidth("fast"), ["bandwidth", "25Gbit"]),
+        (lambda: parse_bandwidth("-5Gbit"), ["bandwidth", "25Gbit"]),
+        (lambda: parse_bandwidth("0Gbit"), ["bandwidth", "> 0"]),
+        (lambda: parse_latency("20"), ["latency", "no unit", "20us"]),
+        (lambda: parse_latency("20 parsecs"), ["latency", "20us"]),
+        (lambda: parse_count("lots"), ["params", "1.3e9"]),
+        (lambda: parse_count("0"), ["params", ">= 1"]),
+        (lambda: plan(1e8, 0, GBIT_25), ["world_size", ">= 1"]),
+        (lambda: plan(1e8, 8.0, GBIT_25), ["world_size", "integer"]),
+        (lambda: plan(1e8, 8, 0.0), ["bandwidth", "parse_bandwidth"]),
+        (lambda: plan(1e8, 8, GBIT_25, latency=-1.0), ["latency", ">= 0"]),
+        (lambda: plan(1e8, 8, GBIT_25, densities=(1.0, 0.0)), ["densities", "0.01"]),
+        (lambda: plan(1e8, 8, GBIT_25, densities=(1.5,)), ["densities", "0.01"]),
+        (lambda: plan(0, 8, GBIT_25), ["params", ">= 1"]),
+        (lambda: plan(1e8, 8, GBIT_25, bucket_cap_mb=0), ["bucket_cap_mb", "25"]),
+        (lambda: crossover_density(1), ["world_size", ">= 2"]),
+        (lambda: crossover_density(8, latency=1e-5), ["latency", "bandwidth"]),
+        (lambda: comm_time(1.0, 0.0), ["bandwidth", "25Gbit"]),
+    ],
+)
+def test_bad_input_raises_value_error_naming_argument_and_fix(call, words):
+    with pytest.raises(ValueError) as info:
+        call()
+    message = str(info.value)
+    missing = [word for word in words if word not in message]
+    assert not missing, f"error message {message!r} lacks {missing}"
+
+
+def test_format_plan_marks_crossover_and_recommends():
+    text = format_plan(1.3e9, 64, GBIT_25, latency=20e-6)
+    assert "1.56% = 1/W" in text
+    assert "above crossover" in text  # TopK 10% at W=64
+    assert "Recommendation: Use TopK(density=0.001)" in text
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run(
+        [sys.executable, "-m", "sparsecomm.plan", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_design_case():
+    result = run_cli("--params", "1e8", "--world-size", "8", "--bandwidth", "25Gbit")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    dense_line = next(line for line in out.splitlines() if line.startswith("| Dense fp32"))
+    assert "700 MB" in dense_line and "224 ms" in dense_line, dense_line
+    assert "12.5% = 1/W" in out
+    assert "Recommendation: Use TopK(density=0.01)" in out
+
+
+def test_cli_large_model_with_latency():
+    result = run_cli(
+        "--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit", "--latency", "20us"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "199 bucket(s)" in result.stdout
+    assert "1.56% = 1/W" in result.stdout
+    dense_line = next(
+        line for line in result.stdout.splitlines() if line.startswith("| Dense fp32")
+    )
+    assert "3.78 s" in dense_line, dense_line  # 3.77748 s, computed above
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--bandwidth", "25"], ["bandwidth", "no unit", "25Gbit"]),
+        (["--bandwidth", "25Gbit", "--latency", "20"], ["latency", "20us"]),
+        (["--bandwidth", "25Gbit", "--densities", "1%"], ["densities", "0.001"]),
+    ],
+)
+def test_cli_bad_input_exits_2_with_the_fix(args, words):
+    result = run_cli("--params", "1e8", "--world-size", "8", *args)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    missing = [word for word in words if word not in result.stderr]
+    assert not missing, f"stderr {result.stderr!r} lacks {missing}"
