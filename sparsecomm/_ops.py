@@ -1,8 +1,8 @@
-"""Picks the implementation of each compression operation.
+"""Picks the Triton kernel or the torch reference for each compression operation.
 
-The torch references in ``sparsecomm.triton_kernels`` run for every device for now; the
-environment variable ``SPARSECOMM_KERNELS`` (``auto``, ``torch``) is checked so that a typo
-is reported.
+CUDA tensors go to the Triton kernels and CPU tensors to the references. The environment
+variable ``SPARSECOMM_KERNELS`` overrides that: ``torch`` forces the references everywhere,
+``triton`` forces the kernels (on CPU tensors they need ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -16,33 +16,34 @@ from .triton_kernels import scatter_add as _scatter_add
 from .triton_kernels import threshold as _threshold
 from .triton_kernels import topk as _topk
 
-_MODES = ("auto", "torch")
+_MODES = ("auto", "torch", "triton")
 
 
-def _check_mode(tensor: torch.Tensor) -> None:
+def use_triton(tensor: torch.Tensor) -> bool:
     mode = os.environ.get("SPARSECOMM_KERNELS", "auto")
     if mode not in _MODES:
         raise ValueError(
             f"SPARSECOMM_KERNELS={mode!r} is not one of {_MODES}; unset it to let sparsecomm "
-            "choose"
+            "choose (Triton for CUDA tensors, torch for CPU tensors)"
         )
+    return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
 def threshold_compress(grad, residual, threshold_value):
-    _check_mode(grad)
-    return _threshold.threshold_compress_ref(grad, residual, threshold_value)
+    impl = _threshold.threshold_compress if use_triton(grad) else _threshold.threshold_compress_ref
+    return impl(grad, residual, threshold_value)
 
 
 def topk_compress(grad, residual, k):
-    _check_mode(grad)
+    use_triton(grad)  # checks the mode; the Triton top-k lands in the next change
     return _topk.topk_compress_ref(grad, residual, k)
 
 
 def cast_compress(grad, residual, dtype, scale):
-    _check_mode(grad)
-    return _cast.cast_compress_ref(grad, residual, dtype, scale)
+    impl = _cast.cast_compress if use_triton(grad) else _cast.cast_compress_ref
+    return impl(grad, residual, dtype, scale)
 
 
 def scatter_add(indices, values, counts, numel, scale):
-    _check_mode(values)
-    return _scatter_add.scatter_add_ref(indices, values, counts, numel, scale)
+    impl = _scatter_add.scatter_add if use_triton(values) else _scatter_add.scatter_add_ref
+    return impl(indices, values, counts, numel, scale)

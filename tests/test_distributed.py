@@ -46,9 +46,9 @@ def test_parameters_bitwise_identical_on_all_ranks(world_size):
 
 def _expected_average(sents: list[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros_like(sents[0])
-    for sent in sents:  # rank order, like the aggregation
-        total = total + sent
-    return total * (1.0 / len(sents))
+    for sent in sents:  # rank order, each scaled by 1/W, like the aggregation
+        total = total + sent * (1.0 / len(sents))
+    return total
 
 
 @settings(max_examples=4)

@@ -1,0 +1,195 @@
+"""The Triton cast kernel against ``cast_compress_ref``.
+
+fp16 must match bit for bit everywhere. bf16 matches bit for bit on the GPU. Triton's
+interpreter casts fp32 to bf16 by truncation instead of rounding to nearest even, so there
+bf16 may be one unit in the last place off, and the residual is checked against the kernel's
+own bf16 value instead; the interpreter also mangles fp32 subnormals on the way to and from
+bf16 (triton/runtime/interpreter.py, ``_convert_float``), so there those elements are left out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import given
+from hypothesis import strategies as st
+from sparsecomm.triton_kernels.cast import BLOCK_SIZE, cast_compress, cast_compress_ref
+from strategies import gradients
+
+# numpy (the interpreter's arithmetic) warns where float32 overflows or makes NaN, as meant.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SCALES = [1.0, 0.5, 0.125, 2.0**-10, 4.0]
+NAN, INF = math.nan, math.inf
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str, ulps: int = 0):
+    """Equal bits (or within ``ulps`` units in the last place); any NaN matches any NaN."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    both_nan = actual.isnan() & expected.isnan()
+    bits = {4: torch.int32, 2: torch.int16}[actual.element_size()]
+    # Adjacent floats of one sign have adjacent bit patterns, so the integer difference
+    # counts units in the last place.
+    distance = (actual.view(bits).long() - expected.view(bits).long()).abs()
+    differ = (distance > ulps) & ~both_nan
+    if differ.any():
+        where = differ.nonzero().flatten()[:10].tolist()
+        raise AssertionError(
+            f"{what}: {int(differ.sum())} of {actual.numel()} elements differ by more than "
+            f"{ulps} ulp, first at {where}: got {actual[where].tolist()}, expected "
+            f"{expected[where].tolist()}"
+        )
+
+
+def check_against_ref(grad, residual, dtype, scale):
+    kernel_residual = None if residual is None else residual.clone()
+    ref_residual = None if residual is None else residual.clone()
+    half = cast_compress(grad, kernel_residual, dtype, scale)
+    ref_half = cast_compress_ref(grad, ref_residual, dtype, scale)
+    exact = dtype == torch.float16 or not INTERPRETED
+    if exact:
+        assert_same_bits(half, ref_half, f"{dtype} values")
+        if residual is not None:
+            assert_same_bits(kernel_residual, ref_residual, "residual")
+        return half, kernel_residual
+    acc = grad if residual is None else grad + residual
+    scaled = (acc * scale).abs()
+    checked = ~((scaled > 0) & (scaled < torch.finfo(torch.float32).tiny))
+    assert_same_bits(half[checked], ref_half[checked], f"{dtype} values", ulps=1)
+    if residual is not None:
+        # The residual of the kernel's own bf16 value, computed as the reference does.
+        expected = acc - half.float() * (1.0 / scale)
+        assert_same_bits(kernel_residual[checked], expected[checked], "residual")
+    return half, kernel_residual
+
+
+@given(
+    grad=gradients(),
+    with_residual=st.booleans(),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    scale=st.sampled_from(SCALES),
+    data=st.data(),
+)
+def test_matches_reference(grad, with_residual, dtype, scale, data):
+    residual = data.draw(gradients(sizes=[grad.numel()])) if with_residual else None
+    grad = grad.to(DEVICE)
+    residual = None if residual is None else residual.to(DEVICE)
+    check_against_ref(grad, residual, dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", SCALES)
+def test_overflow_nan_and_signed_zero(dtype, scale):
+    limit = torch.finfo(dtype).max
+    values = [
+        NAN,
+        INF,
+        -INF,
+        -0.0,
+        0.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        -65520.0,
+        1e6,
+        -1e6,
+        limit,
+        2 * limit,
+        -3.4028235e38,
+        1e-45,
+        -1e-45,
+        5.96e-8,
+        2.98e-8,
+        1e-3,
+        -1.0,
+    ]
+    grad = torch.tensor(values, device=DEVICE)
+    residual = torch.full_like(grad, -0.0)  # so that -0.0 stays -0.0
+    half, new_residual = check_against_ref(grad, residual, dtype, scale)
+    assert half[0].isnan() and new_residual[0].isnan(), "NaN must pass through as NaN"
+    # Nothing becomes infinite: the clamp keeps the largest finite value.
+    assert half[1:].isfinite().all()
+    assert half[1] == limit and half[2] == -limit
+    assert half[3].item() == 0.0 and math.copysign(1.0, half[3].item()) == -1.0
+    check_against_ref(grad, None, dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 7, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1])
+def test_sizes(dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    grad = (torch.randn(n, generator=gen) * 100).to(DEVICE)
+    residual = (torch.randn(n, generator=gen) * 1e-3).to(DEVICE)
+    check_against_ref(grad, residual, dtype, 0.25)
+
+
+def test_round_to_nearest_even_fp16():
+    # 1 + 2**-11 lies halfway between 1 and 1 + 2**-10: even is 1. 1 + 3 * 2**-11 rounds up.
+    grad = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, -(1 + 2.0**-11)], device=DEVICE)
+    half, residual = check_against_ref(grad, torch.zeros_like(grad), torch.float16, 1.0)
+    assert half.tolist() == [1.0, 1 + 2.0**-9, -1.0]
+    assert residual.tolist() == [2.0**-11, -(2.0**-11), -(2.0**-11)]
+
+
+def test_empty():
+    grad = torch.empty(0, device=DEVICE)
+    half = cast_compress(grad, torch.empty(0, device=DEVICE), torch.float16)
+    assert half.shape == (0,) and half.dtype == torch.float16
+
+
+BAD_ARGUMENTS = [
+    ((torch.zeros(4), None, torch.float32, 1.0), "dtype must be"),
+    ((torch.zeros(4), None, torch.float16, 3.0), "scale must be a positive power of two"),
+    ((torch.zeros(4), None, torch.float16, -0.5), "scale must be a positive power of two"),
+    ((torch.zeros(2, 2), None, torch.float16, 1.0), "1-D contiguous float32"),
+    ((torch.zeros(4, dtype=torch.float16), None, torch.float16, 1.0), "1-D contiguous float32"),
+    ((torch.zeros(4), torch.zeros(3), torch.float16, 1.0), "residual must be"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
+def test_bad_arguments(args, message):
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(ValueError, match=message):
+        cast_compress(*args)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_no_host_synchronisation():
+    grad = torch.randn(100_000, device="cuda")
+    residual = torch.randn(100_000, device="cuda")
+    cast_compress(grad, residual, torch.float16, 0.125)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cast_compress(grad, residual, torch.float16, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_gpu_bit_exact(dtype):
+    n = 10**8 + 3
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grad = torch.randn(n, device="cuda", generator=gen) * 3e4
+    residual = torch.randn(n, device="cuda", generator=gen)
+    grad[::1_000_003] = NAN
+    grad[1::999_983] = -0.0
+    grad[2::999_979] = 1e9
+    for scale in [1.0, 0.125]:
+        check_against_ref(grad, residual, dtype, scale)
+    check_against_ref(grad, None, dtype, 1.0)
