@@ -173,6 +173,14 @@ class Cast(Compressor):
         return summed.float().mul_(1.0 / (message.scale * comm.world_size))
 
 
+def _require_real(value, where: str, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{where} takes a float, got {value!r} of type {type(value).__name__}; "
+            f"for example {example}"
+        )
+
+
 class _Sparse(Compressor):
     """Shared exchange of (index, value) messages: all-gather, then deterministic sum."""
 
@@ -236,11 +244,7 @@ class Threshold(_Sparse):
     """
 
     def __init__(self, threshold: float):
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
-            raise TypeError(
-                f"Threshold(threshold=...) takes a float, got {threshold!r} of type "
-                f"{type(threshold).__name__}; for example Threshold(1e-3)"
-            )
+        _require_real(threshold, "Threshold(threshold=...)", "Threshold(1e-3)")
         if not (math.isfinite(threshold) and threshold >= 0):
             raise ValueError(
                 f"Threshold(threshold={threshold}) is invalid: the threshold must be a finite "
@@ -279,11 +283,7 @@ class TopK(_Sparse):
     """
 
     def __init__(self, density: float):
-        if isinstance(density, bool) or not isinstance(density, numbers.Real):
-            raise TypeError(
-                f"TopK(density=...) takes a float, got {density!r} of type "
-                f"{type(density).__name__}; for example TopK(density=0.01) sends 1%"
-            )
+        _require_real(density, "TopK(density=...)", "TopK(density=0.01) sends 1%")
         if not (0 < density <= 1):
             raise ValueError(
                 f"TopK(density={density}) is invalid: density is the fraction of elements "
