@@ -35,8 +35,8 @@ def threshold_compress(grad, residual, threshold_value):
 
 
 def topk_compress(grad, residual, k):
-    use_triton(grad)  # checks the mode; the Triton top-k lands in the next change
-    return _topk.topk_compress_ref(grad, residual, k)
+    impl = _topk.topk_compress if use_triton(grad) else _topk.topk_compress_ref
+    return impl(grad, residual, k)
 
 
 def cast_compress(grad, residual, dtype, scale):

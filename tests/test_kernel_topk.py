@@ -1,0 +1,307 @@
+"""The Triton top-k launcher against its torch reference, bit for bit.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors (set up in
+conftest.py), so these tests keep to a few thousand elements; the tests marked ``gpu`` run
+the sizes the kernel is built for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from unittest import mock
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sparsecomm.triton_kernels import topk as topk_module
+from sparsecomm.triton_kernels.topk import topk_compress, topk_compress_ref
+from strategies import SIZES, gradients
+
+# numpy (the interpreter's arithmetic) warns where float32 overflows or makes NaN, as meant.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@contextlib.contextmanager
+def small_tiles():
+    """Shrink every tile so that a few thousand elements span many programs and chunks,
+    the chunk scan needs several tiles, and candidate slices cross block boundaries."""
+    with mock.patch.multiple(
+        topk_module,
+        _HIST_BLOCK=128,
+        _HIST_ITERS=2,
+        _CHUNK_BLOCK=64,
+        _CHUNK_ITERS=2,
+        _CAND_BLOCK=32,
+        _SCAN_BLOCK=4,
+    ):
+        yield
+
+
+# The interpreter runs each program in Python: small tiles cost about a second per call at
+# a thousand elements, so they are used on a few hundred elements only.
+SMALL_TILE_SIZES = [1, 127, 128, 129, 300, 700]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+def _first_difference(name: str, expected: torch.Tensor, actual: torch.Tensor) -> str:
+    if expected.shape != actual.shape:
+        return f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    where = (expected != actual).nonzero().flatten()[:8].tolist()
+    rows = ", ".join(f"[{i}] {actual[i].item()!r} != {expected[i].item()!r}" for i in where)
+    return f"{name}: {int((expected != actual).sum())} elements differ, first: {rows}"
+
+
+def assert_matches_reference(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> None:
+    grad = grad.to(DEVICE)
+    residual = None if residual is None else residual.to(DEVICE)
+    ref_residual = None if residual is None else residual.clone()
+    out_residual = None if residual is None else residual.clone()
+    ref_index, ref_value = topk_compress_ref(grad.clone(), ref_residual, k)
+    index, value = topk_compress(grad.clone(), out_residual, k)
+    assert index.dtype == torch.int32 and value.dtype == torch.float32
+    assert index.device == grad.device and value.device == grad.device
+    assert torch.equal(index, ref_index), _first_difference("indices", ref_index, index)
+    assert torch.equal(_bits(value), _bits(ref_value)), _first_difference(
+        "value bits", _bits(ref_value), _bits(value)
+    )
+    if residual is not None:
+        assert torch.equal(_bits(out_residual), _bits(ref_residual)), _first_difference(
+            "residual bits", _bits(ref_residual), _bits(out_residual)
+        )
+
+
+@st.composite
+def topk_cases(draw, max_size: int = 3000):
+    grad = draw(gradients(max_size=max_size))
+    n = grad.numel()
+    residual = draw(
+        st.one_of(
+            st.none(),
+            st.just(torch.zeros(n)),
+            gradients(sizes=[n]),
+        )
+    )
+    edges = sorted({0, 1, n // 100, n // 2, n - 1, n})
+    k = draw(st.one_of(st.sampled_from(edges), st.integers(0, n)))
+    return grad, residual, max(0, k)
+
+
+@settings(max_examples=40)
+@given(case=topk_cases())
+def test_matches_reference(case):
+    assert_matches_reference(*case)
+
+
+@settings(max_examples=20)
+@given(case=topk_cases(max_size=700))
+def test_matches_reference_with_small_tiles(case):
+    with small_tiles():
+        assert_matches_reference(*case)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_k_edges(n):
+    gen = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=gen)
+    residual = torch.randn(n, generator=gen)
+    for k in sorted({0, 1, n}):
+        assert_matches_reference(grad, residual, k)
+        assert_matches_reference(grad, None, k)
+
+
+@pytest.mark.parametrize("n", SMALL_TILE_SIZES)
+def test_k_edges_with_small_tiles(n):
+    gen = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=gen)
+    with small_tiles():
+        for k in sorted({1, n // 2, n} - {0}):
+            assert_matches_reference(grad, torch.randn(n, generator=gen), k)
+
+
+def test_empty():
+    index, value = topk_compress(torch.empty(0, device=DEVICE), torch.empty(0, device=DEVICE), 0)
+    assert index.shape == (0,) and index.dtype == torch.int32
+    assert value.shape == (0,) and value.dtype == torch.float32
+
+
+def test_single_element():
+    for value in [0.0, -0.0, -2.5, math.inf, math.nan]:
+        assert_matches_reference(torch.tensor([value]), torch.tensor([1.0]), 1)
+        assert_matches_reference(torch.tensor([value]), torch.tensor([1.0]), 0)
+        assert_matches_reference(torch.tensor([value]), None, 1)
+
+
+def _nan(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32).item()
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_nan_ranks_above_infinity(with_residual):
+    n = 1000
+    gen = torch.Generator().manual_seed(7)
+    grad = torch.randn(n, generator=gen)
+    grad[[3, 500, 999]] = math.nan
+    grad[[10, 11]] = -math.nan
+    grad[[20, 700]] = math.inf
+    grad[21] = -math.inf
+    residual = torch.randn(n, generator=gen) if with_residual else None
+    for k in [1, 3, 5, 6, 8, 9, 100, n]:
+        assert_matches_reference(grad, residual, k)
+    with small_tiles():
+        for k in [5, 9]:
+            assert_matches_reference(grad[:300], None if residual is None else residual[:300], k)
+
+
+def test_nan_from_residual_and_payloads():
+    # NaN whose payload and sign differ: all of them share the top keys, ranked by bits.
+    n = 300
+    grad = torch.zeros(n)
+    grad[[5, 50, 150]] = torch.tensor([_nan(0x7FC00001), _nan(-0x00400000), _nan(0x7FFFFFFF)])
+    residual = torch.zeros(n)
+    residual[[6, 60]] = math.nan
+    residual[[7]] = -math.inf
+    grad[7] = math.inf  # inf + -inf = NaN
+    for k in [1, 2, 4, 6, 7, 10]:
+        assert_matches_reference(grad, residual, k)
+
+
+@pytest.mark.parametrize("fill", [0.0, -0.0, 1.0, -3.0, 1e-45])
+def test_all_equal(fill):
+    for n in [1, 33, 4097]:
+        grad = torch.full((n,), fill)
+        for k in sorted({1, n // 3, n} - {0}):
+            assert_matches_reference(grad, torch.zeros(n), k)
+    with small_tiles():
+        grad = torch.full((300,), fill)
+        for k in [1, 150, 299]:
+            assert_matches_reference(grad, None, k)
+
+
+def test_ties_at_the_boundary():
+    # Many exact ties at the k-th magnitude, spread over chunks: the lowest indices win.
+    gen = torch.Generator().manual_seed(3)
+    n = 4096
+    levels = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, -1.5, 1e-45, -1e-45])
+    grad = levels[torch.randint(0, len(levels), (n,), generator=gen)]
+    for k in [1, 100, 512, 1025, 2048, 3000, 4095]:
+        assert_matches_reference(grad, None, k)
+    with small_tiles():
+        for k in [1, 100, 301, 500]:
+            assert_matches_reference(grad[:700], torch.zeros(700), k)
+
+
+def test_keys_differing_only_in_low_digits():
+    # Magnitudes one ulp apart: every radix level has to split them.
+    n = 2000
+    base = torch.tensor(1.0).view(torch.int32).item()
+    gen = torch.Generator().manual_seed(11)
+    bits = base + torch.randint(0, 600, (n,), generator=gen, dtype=torch.int32)
+    grad = bits.view(torch.float32) * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    for k in [1, 17, 999, 1500]:
+        assert_matches_reference(grad, None, k)
+    with small_tiles():
+        for k in [17, 299]:
+            assert_matches_reference(grad[:700], torch.zeros(700), k)
+
+
+def test_residual_none_leaves_grad_untouched():
+    grad = torch.randn(500, device=DEVICE)
+    before = grad.clone()
+    topk_compress(grad, None, 50)
+    assert torch.equal(_bits(grad), _bits(before))
+
+
+def test_conservation():
+    gen = torch.Generator().manual_seed(5)
+    grad = torch.randn(3000, generator=gen).to(DEVICE)
+    residual = torch.randn(3000, generator=gen).to(DEVICE)
+    acc = grad + residual
+    index, value = topk_compress(grad, residual, 300)
+    sent = torch.zeros_like(acc)
+    sent[index.long()] = value
+    assert torch.equal(_bits(sent + residual), _bits(acc))
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((_x(10, dtype=torch.float64), None, 1), ValueError, "float32"),
+        ((_x(10, dtype=torch.float16), None, 1), ValueError, "float32"),
+        ((_x(2, 5), None, 1), ValueError, "1-D"),
+        ((_x(()), None, 0), ValueError, "1-D"),
+        ((_x(20)[::2], None, 1), ValueError, "contiguous"),
+        ((_x(10), _x(20)[::2], 1), ValueError, "contiguous"),
+        ((_x(10), _x(11), 1), ValueError, "shape"),
+        ((_x(10), _x(10, dtype=torch.float64), 1), ValueError, "float32"),
+        ((_x(10), None, 11), ValueError, "k must be in"),
+        ((_x(10), None, -1), ValueError, "k must be in"),
+        ((_x(0), None, 1), ValueError, "k must be in"),
+        ((_x(10), None, 2.0), TypeError, "k must be"),
+        ((_x(10), None, True), TypeError, "k must be"),
+        (([1.0, 2.0], None, 1), TypeError, "grad"),
+    ],
+)
+def test_bad_arguments(args, error, match):
+    with pytest.raises(error, match=match):
+        topk_compress(*args)
+
+
+# ---- GPU only: the sizes the kernel is built for ------------------------------------------
+
+
+def _gpu_inputs(kind: str, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, device="cuda", generator=gen)
+    if kind == "all_equal":
+        return torch.full((n,), -0.75, device="cuda")
+    if kind == "ties":
+        levels = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, -2.0], device="cuda")
+        return levels[torch.randint(0, len(levels), (n,), device="cuda", generator=gen)]
+    if kind == "heavy_tail":
+        x = torch.randn(n, device="cuda", generator=gen)
+        return x / torch.rand(n, device="cuda", generator=gen).clamp_min(1e-6)
+    raise ValueError(kind)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n", [10**6 + 3, 10**7, 10**8])
+@pytest.mark.parametrize("density", [1e-3, 1e-2])
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "heavy_tail"])
+def test_gpu_large(n, density, kind):
+    k = math.ceil(density * n)
+    grad = _gpu_inputs(kind, n, seed=n)
+    residual = _gpu_inputs("normal", n, seed=n + 1) * 0.5 if kind == "normal" else None
+    assert_matches_reference(grad, residual, k)
+    if kind != "normal":
+        assert_matches_reference(grad, torch.zeros_like(grad), k)
+    del grad, residual
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_denormals_and_nan():
+    n = 10**7
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grad = torch.randn(n, device="cuda", generator=gen) * 1e-39  # mostly denormal
+    grad[:: 10**5] = math.nan
+    residual = torch.randn(n, device="cuda", generator=gen) * 1e-40
+    for k in [1, 100, 101, 10**4, 10**6]:
+        assert_matches_reference(grad, residual, k)
