@@ -429,12 +429,13 @@ def train(
     checksum = param_checksum(model)
     checksums = [None] * world_size
     dist.all_gather_object(checksums, checksum)
-    print(
+    # One write per line: ranks share the terminal, and print() writes the newline apart.
+    sys.stdout.write(
         f"rank {rank}: sent {total.bytes_sent / 1e6:.3f} MB over {total.steps} steps "
         f"(steps before a resume included); dense fp32 would have sent "
-        f"{total.dense_bytes / 1e6:.3f} MB ({total.compression_ratio:.1f}x fewer bytes)",
-        flush=True,
+        f"{total.dense_bytes / 1e6:.3f} MB ({total.compression_ratio:.1f}x fewer bytes)\n"
     )
+    sys.stdout.flush()
     if rank == 0:
         if metrics:
             print("final " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
