@@ -148,6 +148,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(table + "\n")
+    dist.barrier()  # tear down together: gloo can abort a rank whose peer left
     dist.destroy_process_group()
 
 

@@ -54,6 +54,7 @@ def main() -> None:
             f"dense fp32 would have sent {total.dense_bytes / 1e6:.2f} MB "
             f"({total.compression_ratio:.0f}x fewer bytes, density {total.density:.3f})"
         )
+    dist.barrier()  # tear down together: gloo can abort a rank whose peer left
     dist.destroy_process_group()
 
 

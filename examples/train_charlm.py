@@ -151,6 +151,7 @@ def main() -> None:
         return {"val_loss": loss, "val_bits_per_byte": loss / math.log(2)}
 
     train(args, model, loss_at, evaluate, rank, world_size)
+    torch.distributed.barrier()  # tear down together: gloo can abort a rank whose peer left
     torch.distributed.destroy_process_group()
 
 

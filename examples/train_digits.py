@@ -94,6 +94,7 @@ def main() -> None:
         return {"test_accuracy": accuracy}
 
     train(args, model, loss_at, evaluate, rank, world_size)
+    torch.distributed.barrier()  # tear down together: gloo can abort a rank whose peer left
     torch.distributed.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ def _entry(fn, rank, world_size, init_file, result_dir, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+        dist.barrier()  # tear down together: gloo can abort a rank whose peer already left
     except BaseException:
         with open(os.path.join(result_dir, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
