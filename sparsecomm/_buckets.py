@@ -61,7 +61,7 @@ class Bucket:
                         "sparse=False so that their gradients are dense"
                     )
                 parts.append(grad.reshape(-1).float())
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        return torch.cat(parts)  # always a new buffer, even of one part: ours to change
 
     def scatter_grads(self, average: torch.Tensor, used: list[bool]) -> None:
         """Hand each parameter its slice of the averaged gradient. Parameters that no rank
