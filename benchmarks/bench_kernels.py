@@ -620,15 +620,23 @@ def sweep(n):
         publish()
     k = n // 100
     indices, values = messages(n, k, WORLD_SIZE, seed=2)
-    for block, warps in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]:
+    for tile, pairs, warps in [
+        (2048, 128, 4),
+        (4096, 128, 4),
+        (4096, 128, 2),
+        (4096, 64, 2),
+        (4096, 256, 4),
+        (8192, 128, 4),
+        (8192, 256, 8),
+    ]:
         if over_budget():
             return
-        with patched(scatter_module, BLOCK_SIZE=block, NUM_WARPS=warps):
+        with patched(scatter_module, TILE_SIZE=tile, PAIR_BLOCK=pairs, NUM_WARPS=warps):
             record(
                 "sweep aggregate W=8 1%",
                 n,
                 WORLD_SIZE * k,
-                f"BLOCK_SIZE={block} num_warps={warps}",
+                f"TILE_SIZE={tile} PAIR_BLOCK={pairs} num_warps={warps}",
                 lambda: scatter_add(indices, values, None, n, 1 / WORLD_SIZE),
                 4 * n + 8 * WORLD_SIZE * k,
                 copy_bw,

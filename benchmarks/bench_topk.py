@@ -37,11 +37,15 @@ QUANTILES = [0.5, 0.2, 0.8]
 # Module constants --sweep patches, one configuration per entry (the first is the default).
 SWEEP = [
     {},
-    {"_HIST_ITERS": 4},
-    {"_HIST_BLOCK": 2048, "_HIST_ITERS": 16, "_HIST_WARPS": 4},
-    {"_CHUNK_BLOCK": 1024, "_CHUNK_ITERS": 32},
-    {"_CHUNK_ITERS": 8},
-    {"_CHUNK_ITERS": 32, "_CHUNK_WARPS": 8},
+    {"_CHUNK_BLOCK": 4096, "_CHUNK_ITERS": 8, "_CHUNK_WARPS": 8},
+    {"_CHUNK_ITERS": 32},
+    {"_LEVEL_CHUNKS": 2},
+    {"_LEVEL_CHUNKS": 8},
+    {"_CAND_BLOCK": 512},
+    {"_SAMPLE_COPIES": 1},
+    {"_SAMPLE_COPIES": 8},
+    {"_FINE_BITS": 12},
+    {"_SAMPLE_SIZE": 1 << 15},
 ]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything sparsecomm checks on a GPU machine, in one call of under ten minutes: the GPU
-# tests, the kernel benchmarks, and the whole-step benchmark. Outputs go to $OUT (default
-# ./gpu-out).
+# tests, the kernel benchmarks, the top-k breakdown, and the whole-step benchmark. Outputs
+# go to $OUT (default ./gpu-out). TOPK_BASELINE=path/to/topk.py also times that version of
+# the top-k module beside this one.
 #
 #     bash benchmarks/gpu_session.sh            # on a machine with CUDA, from the repo root
 set -uo pipefail
@@ -24,12 +25,18 @@ python3 -c "import sparsecomm.triton_kernels.topk" || exit 1
 echo "== GPU tests" | tee "$OUT/gpu_tests.txt"
 # The kernel and compressor tests run on CUDA tensors here (natively, not interpreted),
 # together with the tests marked gpu.
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_*.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_*.py \
   tests/test_compressors.py tests/test_gpu.py 2>&1 | tail -40 \
   | tee -a "$OUT/gpu_tests.txt"
 
 echo "== kernel benchmarks"
-BENCH_BUDGET_S=${BENCH_BUDGET_S:-140} timeout 210 python3 benchmarks/bench_kernels.py 2>&1 | tail -60 | tee "$OUT/bench_kernels.txt"
+BENCH_BUDGET_S=${BENCH_BUDGET_S:-120} timeout 190 python3 benchmarks/bench_kernels.py 2>&1 \
+  | tail -60 | tee "$OUT/bench_kernels.txt"
+
+echo "== top-k: EF loop, per-kernel profile, tile sweep"
+timeout 90 python3 benchmarks/bench_topk.py --no-reference --profile --sweep \
+  ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"} 2>&1 | grep -v "^Self\|Activity\|cudaDevice\|^ *$" \
+  | tee "$OUT/bench_topk.txt"
 
 echo "== step benchmark (one GPU)"
 timeout 150 torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py \

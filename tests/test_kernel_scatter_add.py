@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
-from sparsecomm.triton_kernels.scatter_add import BLOCK_SIZE, scatter_add, scatter_add_ref
+from sparsecomm.triton_kernels import scatter_add as scatter_module
+from sparsecomm.triton_kernels.scatter_add import scatter_add, scatter_add_ref
 from strategies import gradients
+
+# Output elements per tile while small_tiles() is on.
+SMALL_TILE = 64
 
 # numpy (the interpreter's arithmetic) warns where float32 overflows or makes NaN, as meant.
 pytestmark = [
@@ -21,6 +27,14 @@ pytestmark = [
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 SCALES = [1.0, 0.125, 1 / 3, 0.1, 1 / 8]
+
+
+@contextlib.contextmanager
+def small_tiles():
+    """Tiles of 64 elements, pair blocks of 16, 4 boundaries per search program: a few
+    thousand elements span many tiles, a rank's pairs in one tile span several blocks."""
+    with mock.patch.multiple(scatter_module, TILE_SIZE=SMALL_TILE, PAIR_BLOCK=16, SEARCH_BLOCK=4):
+        yield
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -67,7 +81,7 @@ def check_against_ref(indices, values, counts, numel, scale):
 def messages(draw, max_numel: int = 3000):
     world_size = draw(st.integers(1, 8))
     numel = draw(
-        st.one_of(st.sampled_from([1, 2, 7, BLOCK_SIZE, BLOCK_SIZE + 1]), st.integers(1, max_numel))
+        st.one_of(st.sampled_from([1, 2, 7, SMALL_TILE, SMALL_TILE + 1]), st.integers(1, max_numel))
     )
     dense = draw(st.booleans())
     if dense:
@@ -95,11 +109,17 @@ def test_matches_reference(case):
     check_against_ref(*case)
 
 
+@given(messages(max_numel=700))
+def test_matches_reference_with_small_tiles(case):
+    with small_tiles():
+        check_against_ref(*case)
+
+
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_world_sizes_overlapping_ranks(world_size):
     # Every rank sends many of the same elements, so each element sums up to 8 values in
     # rank order; the values are chosen so that the order changes the rounding.
-    numel = BLOCK_SIZE + 17
+    numel = 5 * SMALL_TILE + 17
     gen = torch.Generator().manual_seed(world_size)
     counts = [int(c) for c in torch.randint(numel // 2, numel + 1, (world_size,), generator=gen)]
     values = torch.randn(world_size * (max(counts) + 1), generator=gen)
@@ -107,6 +127,8 @@ def test_world_sizes_overlapping_ranks(world_size):
     indices, values = random_messages(world_size, numel, counts, 1, values, world_size)
     for scale in [1.0, 1 / 3]:
         check_against_ref(indices, values, counts, numel, scale)
+        with small_tiles():
+            check_against_ref(indices, values, counts, numel, scale)
 
 
 def test_negative_zero_and_special_values():
@@ -130,23 +152,30 @@ def test_out_of_range_entries_past_the_count_are_ignored():
     assert out.tolist() == [1.0, 0, 0, 5.0, 0, 0, 0, 2.0]
 
 
-def test_unsorted_unique_indices():
-    # The reference needs unique indices per rank, not sorted ones; neither does the kernel.
+def test_reference_order_within_a_rank_does_not_matter():
+    # The kernel takes each rank's indices ascending (as the compressors send them); the
+    # reference takes any unique ones. The same pairs in another order give the same sum.
     gen = torch.Generator().manual_seed(5)
-    numel = 3 * BLOCK_SIZE + 1
-    indices = torch.stack([torch.randperm(numel, generator=gen)[:2000] for _ in range(3)])
-    values = torch.randn(3, 2000, generator=gen)
-    check_against_ref(indices.int().to(DEVICE), values.to(DEVICE), [2000, 17, 1999], numel, 0.5)
+    numel = 3 * SMALL_TILE + 1
+    rows = [torch.randperm(numel, generator=gen)[:120].sort().values for _ in range(3)]
+    indices = torch.stack(rows).int()
+    values = torch.randn(3, 120, generator=gen)
+    shuffle = torch.randperm(120, generator=gen)
+    shuffled = scatter_add_ref(indices[:, shuffle], values[:, shuffle], None, numel, 0.5)
+    with small_tiles():
+        out = scatter_add(indices.to(DEVICE), values.to(DEVICE), None, numel, 0.5)
+    assert_same_bits(out.cpu(), shuffled, "sum of the pairs in another order")
 
 
 def test_deterministic():
-    numel = 5 * BLOCK_SIZE
+    numel = 5 * SMALL_TILE
     gen = torch.Generator().manual_seed(0)
     counts = [numel, numel // 2, 3, 0]
     values = torch.randn(4 * numel, generator=gen) * 1e3
     indices, values = random_messages(4, numel, counts, 0, values, 1)
-    first = check_against_ref(indices, values, counts, numel, 0.25)
-    second = scatter_add(indices, values, counts, numel, 0.25)
+    with small_tiles():
+        first = check_against_ref(indices, values, counts, numel, 0.25)
+        second = scatter_add(indices, values, counts, numel, 0.25)
     assert torch.equal(first.view(torch.int32), second.view(torch.int32))
 
 
@@ -240,3 +269,22 @@ def test_large_gpu_dense_overlap():
     values = torch.randn(8, numel, device="cuda", generator=gen)
     values[:, ::3] *= 1e8
     check_against_ref(indices, values, None, numel, 1 / 8)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_same_pairs_on_every_rank_repeatable():
+    # Every rank sends the same 1e6 elements: each of them is read, added and written by
+    # eight ranks in turn within one program. Any missing ordering between ranks would show
+    # as sums that change from run to run.
+    numel, count = 10**8 + 7, 10**6
+    indices, values = gpu_messages(1, numel, count, 4)
+    indices = indices.expand(8, count).contiguous()
+    values = (
+        torch.randn(8, count, device="cuda")
+        * torch.tensor([1e8, 1.0, 1e-8], device="cuda")[torch.arange(count, device="cuda") % 3]
+    )
+    first = check_against_ref(indices, values, None, numel, 1 / 8)
+    for _ in range(10):
+        again = scatter_add(indices, values, None, numel, 1 / 8)
+        assert torch.equal(first.view(torch.int32), again.view(torch.int32))

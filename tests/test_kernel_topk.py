@@ -31,14 +31,16 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 @contextlib.contextmanager
 def small_tiles():
-    """Shrink every tile so that a few thousand elements span many programs and chunks,
-    the chunk scan needs several tiles, and candidate slices cross block boundaries."""
+    """Shrink every tile so that a few hundred elements span many programs and chunks,
+    the chunk scan needs several tiles, candidate slices cross block boundaries, a level's
+    program walks several chunks, and the bound comes from a strided sample."""
     with mock.patch.multiple(
         topk_module,
-        _HIST_BLOCK=128,
-        _HIST_ITERS=2,
+        _SAMPLE_SIZE=64,
+        _SAMPLE_BLOCK=16,
         _CHUNK_BLOCK=64,
         _CHUNK_ITERS=2,
+        _LEVEL_CHUNKS=3,
         _CAND_BLOCK=32,
         _SCAN_BLOCK=4,
     ):
@@ -215,6 +217,93 @@ def test_keys_differing_only_in_low_digits():
             assert_matches_reference(grad[:700], torch.zeros(700), k)
 
 
+def _sampled(n: int, k: int) -> torch.Tensor:
+    samples, stride, _ = topk_module._sample_bound(n, k)
+    return topk_module._sample_positions_ref(samples, stride)
+
+
+def _reach_sample_bound(acc: torch.Tensor, k: int) -> int:
+    """How many elements of ``acc`` reach the bound the kernel takes from its sample: a
+    torch re-derivation, so a test can show which path its input takes."""
+    samples, stride, m = topk_module._sample_bound(acc.numel(), k)
+    keys = (acc.view(torch.int32).to(torch.int64) << 1) & 0xFFFFFFFF
+    fine = keys >> (32 - topk_module._FINE_BITS)
+    sampled = fine[_sampled(acc.numel(), k).to(acc.device)]
+    if m > samples:
+        return acc.numel()
+    bound = sampled.sort(descending=True).values[m - 1]
+    return int((fine >= bound).sum())
+
+
+def test_sample_bound_too_high_falls_back():
+    # Every sampled position holds a large value, the rest small ones: the sample puts its
+    # bound above all but the sampled elements, fewer than k, so every element becomes a
+    # candidate. The result must not change.
+    with small_tiles():
+        n = 1000
+        sampled = _sampled(n, 1)
+        samples = sampled.numel()
+        gen = torch.Generator().manual_seed(2)
+        grad = torch.rand(n, generator=gen)
+        grad[sampled] = 100.0 + torch.rand(samples, generator=gen)
+        for k in [samples + 1, 200, 300]:
+            assert _reach_sample_bound(grad, k) < k
+            assert_matches_reference(grad, None, k)
+            assert_matches_reference(grad, torch.zeros(n), k)
+
+
+def test_sample_bound_below_every_element():
+    # The sample sees only the small values: its bound keeps almost every element.
+    with small_tiles():
+        n = 640
+        sampled = _sampled(n, 1)
+        samples = sampled.numel()
+        gen = torch.Generator().manual_seed(4)
+        grad = 100.0 + torch.rand(n, generator=gen)
+        grad[sampled] = torch.rand(samples, generator=gen) * 1e-3
+        for k in [1, 10, 300]:
+            assert _reach_sample_bound(grad, k) >= n - samples
+            assert_matches_reference(grad, torch.randn(n, generator=gen), k)
+
+
+def test_sample_positions():
+    # One position in each stretch of the stride, in order, inside the tensor.
+    for n in [1, 5, 64, 65, 1000, 10**6 + 3]:
+        samples, stride, _ = topk_module._sample_bound(n, 1)
+        positions = topk_module._sample_positions_ref(samples, stride)
+        assert positions.numel() == samples == min(n, topk_module._SAMPLE_SIZE)
+        assert torch.equal(positions // stride, torch.arange(samples))
+        assert int(positions.max()) < n
+        if stride >= 16:  # not one fixed offset: that would alias with row lengths
+            assert (positions % stride).unique().numel() > samples // 4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sample_bound_on_low_rank_weight_gradients(seed):
+    # A 4096-wide linear layer's weight gradient, delta^T x over a batch of 8: every row
+    # mixes the same few input rows, so the columns differ in scale. Its 16.8M elements
+    # make a stride of 256, which divides the rows: a plain stride would see 16 of the
+    # 4096 columns, and reached 5301 (fewer than k, the slow path) to 141571 for
+    # k = 16777 on these seeds. The hashed positions must see typical columns.
+    gen = torch.Generator().manual_seed(seed)
+    width, batch = 4096, 8
+    x = torch.randn(batch, width, generator=gen) * torch.rand(width, generator=gen) ** 4
+    grad = (torch.randn(batch, width, generator=gen).T @ x).reshape(-1)
+    for k in [grad.numel() // 1000, grad.numel() // 100]:
+        reached = _reach_sample_bound(grad, k)
+        assert k <= reached <= 2.5 * k, (k, reached)
+
+
+def test_sample_bound_is_tight_on_gradient_like_data():
+    # The point of the sample: on normal data only a few percent more than k elements are
+    # candidates (the margin plus one fine bin), not a whole binade.
+    gen = torch.Generator().manual_seed(9)
+    acc = torch.randn(10**6, generator=gen)
+    for k in [10**3, 10**4, 10**5]:
+        reached = _reach_sample_bound(acc, k)
+        assert k <= reached <= 1.8 * k + 200, (k, reached)
+
+
 def test_residual_none_leaves_grad_untouched():
     grad = torch.randn(500, device=DEVICE)
     before = grad.clone()
@@ -293,6 +382,20 @@ def test_gpu_large(n, density, kind):
         assert_matches_reference(grad, torch.zeros_like(grad), k)
     del grad, residual
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_sample_bound_too_high():
+    # Large values exactly at the sampled positions: fewer than k reach the sample's
+    # bound, so the kernel takes its slow path; the bits must not change.
+    n = 10**7 + 1
+    sampled = _sampled(n, 1).cuda()
+    grad = _gpu_inputs("normal", n, seed=5)
+    grad[sampled] += 1e3
+    k = 2 * sampled.numel()
+    assert _reach_sample_bound(grad, k) < k
+    assert_matches_reference(grad, _gpu_inputs("normal", n, seed=6), k)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -15,34 +16,47 @@ import triton.language as tl
 _NUM_BINS = 256
 _NUM_LEVELS = 4
 
-# Pass 1 (add the residual, write it back, histogram the top digit, i.e. the exponent).
-# Each program adds its 256 counts to the global histogram once, so a program covers
-# _HIST_BLOCK * _HIST_ITERS = 32768 elements: ~3000 programs and ~0.8M integer atomics
-# at n = 1e8. 256 bins, not 2048: tl.histogram costs about one popc per bin per 32
-# elements, and 2048 bins would make this pass compute-bound on the H200. H200 sweep
-# (n = 1e8, k = 1e6, whole call): 4096 x 8 (8 warps) 0.937 ms, 4096 x 4 0.942 ms,
-# 2048 x 16 (4 warps) 0.991 ms; this pass alone ran 333 us, 88% of the copy bandwidth.
-_HIST_BLOCK = 4096
-_HIST_ITERS = 8
-_HIST_WARPS = 8
+# The sample. A stratified sample of acc estimates where the k-th largest key lies, so that
+# the one pass over the data can already keep only the elements that may be sent: those
+# at or above a bound `lowest` that the sample puts safely below the k-th largest key.
+# _SAMPLE_SIZE keys (at most n; one at a hashed position in each stretch of n // samples
+# elements, see _sample_positions_ref) go into a histogram of their top _FINE_BITS bits (the
+# exponent and five mantissa bits: bins 1/32 of a power of two wide); `lowest` is the
+# lower edge of the bin holding the sample's m-th largest key, where m is k scaled to the
+# sample plus a margin of _MARGIN_SIGMAS standard deviations of that count and
+# _MARGIN_EXTRA keys. A bound that turns out too high (fewer than k elements reach it)
+# costs a second, slower pass; the result is the same either way.
+_SAMPLE_SIZE = 1 << 16
+_SAMPLE_BLOCK = 1024
+_FINE_BITS = 13
+# The sample's integer atomics go to this many copies of its histogram (by lane), which
+# the window kernel adds up: gradient-like keys crowd into a few bins, and on one copy the
+# atomics on those bins queued behind each other (21 us of a 0.5 ms call on the H200).
+# 12 fine bits (1/16 of a power of two) measured 0.560 ms there against 0.508 for 13.
+_SAMPLE_COPIES = 4
+_MARGIN_SIGMAS = 4.0
+_MARGIN_EXTRA = 4
 
-# Pass 2 and every later pass work per chunk of _CHUNK_BLOCK * _CHUNK_ITERS = 32768
-# elements: a chunk writes its candidates (elements whose top digit is at or above the
-# boundary digit) in index order into its own slice of the candidate buffer, so no pass
-# needs atomics to place them and a chunk's slice never outgrows the chunk. The first H200
-# sweep (n = 1e8, k = 1e6, whole call) with this block scan: 2048 x 16 (4 warps) 0.937 ms,
-# 1024 x 32 0.966 ms, 2048 x 32 (8 warps) 1.018 ms, 2048 x 8 1.065 ms.
+# The pass over the data (add the residual, write it back, keep the elements at or above
+# `lowest`) works per chunk of _CHUNK_BLOCK * _CHUNK_ITERS elements: a chunk writes its
+# candidates in index order into its own slice of the candidate buffer, so no pass needs
+# atomics to place them and a chunk's slice never outgrows the chunk.
 _CHUNK_BLOCK = 2048
 _CHUNK_ITERS = 16
 _CHUNK_WARPS = 4
 
-# The candidate passes walk a chunk's slice in blocks of this many; a slice holds a few
-# percent of its chunk for gradient-like data, so a small block wastes fewer masked lanes.
+# Each program of a radix level walks the candidate slices of this many chunks and adds
+# its 256 counts to the level's histogram once: with one chunk per program, the integer
+# atomics of ~3000 programs on the same 256 counters were most of a level's time.
+_LEVEL_CHUNKS = 4
+
+# The candidate passes walk a chunk's slice in blocks of this many; a slice holds about
+# 1-2% of its chunk for gradient-like data, so a small block wastes fewer masked lanes.
 _CAND_BLOCK = 1024
 
-# Pass 2 scans each block as rows of this many neighbours (see the kernel for why): 4 is
-# one 16-byte load per row; in sm_90 SASS it cut the loop from ~930 to ~580 instructions
-# and from 30 barriers to 12 (8 and 16 came out at ~700).
+# The pass over the data scans each block as rows of this many neighbours (see the kernel
+# for why): 4 is one 16-byte load per row; in sm_90 SASS it cut the loop from ~930 to ~580
+# instructions and from 30 barriers to 12 (8 and 16 came out at ~700).
 _PARTITION_ROW = 4
 
 # Tile of the single-program exclusive scan over per-chunk counts.
@@ -76,59 +90,91 @@ def _topk_resolve(hist_ptr, k, LEVELS: tl.constexpr, NUM_BINS: tl.constexpr):
 
 
 @triton.jit
-def _topk_histogram_kernel(
+def _topk_key(acc):
+    """The order key of abs(acc): its bits without the sign, as a uint32."""
+    return acc.to(tl.uint32, bitcast=True) << 1
+
+
+@triton.jit
+def _topk_sample_kernel(
     grad_ptr,
     residual_ptr,
-    hist_ptr,
+    sample_hist_ptr,
+    done_ptr,
+    window_ptr,
+    samples,
+    stride,
+    m,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FINE_BITS: tl.constexpr,
+    COPIES: tl.constexpr,
+):
+    lanes = tl.arange(0, BLOCK)
+    sample = tl.program_id(0) * BLOCK + lanes
+    valid = sample < samples
+    # One element of each stretch of `stride`, at a hashed place: a plain stride shares
+    # its period with the rows of a weight (a 4096-wide layer's gradient has 16.8M
+    # elements, so a stride of 256), and the columns it then sees may not be typical.
+    mixed = sample.to(tl.uint32) * 0x9E3779B1
+    mixed = mixed ^ (mixed >> 15)
+    # (No method calls on stride: Triton passes an int argument equal to 1 as a constant.)
+    offsets = sample.to(tl.int64) * stride + mixed.to(tl.int64) % stride
+    acc = tl.load(grad_ptr + offsets, mask=valid, other=0.0)
+    if HAS_RESIDUAL:
+        acc = acc + tl.load(residual_ptr + offsets, mask=valid, other=0.0)
+    fine = (_topk_key(acc) >> (32 - FINE_BITS)).to(tl.int32)
+    # One integer atomic per sampled key, on the copy of the histogram its lane picks.
+    copy_ptr = sample_hist_ptr + (lanes % COPIES) * (1 << FINE_BITS)
+    tl.atomic_add(copy_ptr + fine, 1, mask=valid, sem="relaxed")
+    # The last program to get here turns the histogram into the bound, which saves a
+    # launch (each costs the host tens of microseconds). The barrier orders this
+    # program's atomics before its count. Even a histogram read too early could only
+    # lower the bound: more candidates, never another result.
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        _topk_window(sample_hist_ptr, window_ptr, m, FINE_BITS, COPIES)
+
+
+@triton.jit
+def _topk_window(sample_hist_ptr, window_ptr, m, FINE_BITS: tl.constexpr, COPIES: tl.constexpr):
+    # The lower edge of the bin holding the sample's m-th largest key; bin 0 (every
+    # element a candidate) when fewer than m keys were sampled. ".cg" reads L2, where the
+    # other programs' atomics landed, not this multiprocessor's L1.
+    bins = tl.arange(0, 1 << FINE_BITS)
+    counts = tl.load(sample_hist_ptr + bins, cache_modifier=".cg")
+    for copy in tl.static_range(1, COPIES):
+        counts += tl.load(sample_hist_ptr + copy * (1 << FINE_BITS) + bins, cache_modifier=".cg")
+    at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
+    lowest_bin = tl.max(tl.where(at_or_above >= m, bins, 0), 0)
+    lowest = lowest_bin.to(tl.uint32) << (32 - FINE_BITS)
+    tl.store(window_ptr, lowest.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _topk_candidates_kernel(
+    grad_ptr,
+    residual_ptr,
+    window_ptr,
+    cand_index_ptr,
+    cand_value_ptr,
+    cand_count_ptr,
+    total_ptr,
     n,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
-    NUM_BINS: tl.constexpr,
-):
-    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
-    lanes = tl.arange(0, BLOCK)
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for i in range(ITERS):
-        offsets = start + i * BLOCK + lanes
-        valid = offsets < n
-        acc = tl.load(grad_ptr + offsets, mask=valid, other=0.0)
-        if HAS_RESIDUAL:
-            acc = acc + tl.load(residual_ptr + offsets, mask=valid, other=0.0)
-            # Later passes read acc from here: 4 bytes per element instead of 8.
-            tl.store(residual_ptr + offsets, acc, mask=valid)
-        key = acc.to(tl.uint32, bitcast=True) << 1
-        counts += tl.histogram((key >> 24).to(tl.int32), NUM_BINS)
-    # Lanes past n loaded 0.0 and landed in bin 0; take them out again.
-    padding = tl.minimum(tl.maximum(start + BLOCK * ITERS - n, 0), BLOCK * ITERS)
-    bins = tl.arange(0, NUM_BINS)
-    counts -= tl.where(bins == 0, padding.to(tl.int32), 0)
-    tl.atomic_add(hist_ptr + bins, counts, mask=counts > 0, sem="relaxed")
-
-
-@triton.jit
-def _topk_partition_kernel(
-    acc_ptr,
-    hist_ptr,
-    cand_index_ptr,
-    cand_value_ptr,
-    cand_count_ptr,
-    n,
-    k,
-    BLOCK: tl.constexpr,
-    ITERS: tl.constexpr,
     ROW: tl.constexpr,
-    NUM_BINS: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     start = chunk.to(tl.int64) * (BLOCK * ITERS)
-    boundary, _ = _topk_select_bin(hist_ptr, k, NUM_BINS)
-    lowest = boundary.to(tl.uint32) << 24
+    lowest = tl.load(window_ptr).to(tl.uint32, bitcast=True)
     # A block is laid out as rows of ROW neighbours so that the slot of each kept element
     # is a short in-register scan along its row plus a scan over rows: a flat cumsum over
     # the block costs a warp shuffle per element and made this pass compute-bound.
     rows = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
-    acc_block_ptr = acc_ptr + start
+    grad_block_ptr = grad_ptr + start
+    residual_block_ptr = residual_ptr + start
     index_base = start.to(tl.int32)  # n < 2**31, so every index fits
     index_out_ptr = cand_index_ptr + start
     value_out_ptr = cand_value_ptr + start
@@ -136,45 +182,81 @@ def _topk_partition_kernel(
     for i in range(ITERS):
         local = i * BLOCK + rows
         valid = local < n - start
-        acc = tl.load(acc_block_ptr + local, mask=valid, other=0.0)
-        key = acc.to(tl.uint32, bitcast=True) << 1
-        keep = (valid & (key >= lowest)).to(tl.int32)
+        acc = tl.load(grad_block_ptr + local, mask=valid, other=0.0)
+        if HAS_RESIDUAL:
+            acc = acc + tl.load(residual_block_ptr + local, mask=valid, other=0.0)
+            # Later passes read acc from here, and the unsent part stays here.
+            tl.store(residual_block_ptr + local, acc, mask=valid)
+        keep = (valid & (_topk_key(acc) >= lowest)).to(tl.int32)
         per_row = tl.sum(keep, 1)
         slot = (count + tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(keep, 1) - keep
         tl.store(index_out_ptr + slot, index_base + local, mask=keep != 0)
         tl.store(value_out_ptr + slot, acc, mask=keep != 0)
         count += tl.sum(per_row, 0)
     tl.store(cand_count_ptr + chunk, count)
+    tl.atomic_add(total_ptr, count, sem="relaxed")
 
 
 @triton.jit
-def _topk_refine_kernel(
+def _topk_level_kernel(
+    acc_ptr,
+    cand_index_ptr,
     cand_value_ptr,
     cand_count_ptr,
+    total_ptr,
     hist_ptr,
+    n,
+    num_chunks,
     k,
     LEVEL: tl.constexpr,
     CHUNK: tl.constexpr,
+    CHUNKS_PER_PROGRAM: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    start = chunk.to(tl.int64) * CHUNK
-    prefix, _ = _topk_resolve(hist_ptr, k, LEVEL, NUM_BINS)
-    count = tl.load(cand_count_ptr + chunk)
+    # Histogram of digit LEVEL over the candidates whose higher digits equal the prefix
+    # the earlier levels fixed (level 0: over every candidate).
+    first_chunk = tl.program_id(0) * CHUNKS_PER_PROGRAM
     lanes = tl.arange(0, BLOCK)
+    if LEVEL == 0:
+        # Fewer than k elements reached the sample's bound: every element becomes a
+        # candidate, chunk by chunk, before the histogram below reads them back. The usual
+        # case reads one counter and does nothing else.
+        if tl.load(total_ptr) < k:
+            for j in range(CHUNKS_PER_PROGRAM):
+                start = (first_chunk + j).to(tl.int64) * CHUNK
+                if start < n:
+                    for first in range(0, CHUNK, BLOCK):
+                        offsets = start + first + lanes
+                        valid = offsets < n
+                        acc = tl.load(acc_ptr + offsets, mask=valid)
+                        tl.store(cand_index_ptr + offsets, offsets.to(tl.int32), mask=valid)
+                        tl.store(cand_value_ptr + offsets, acc, mask=valid)
+                    count = tl.minimum(n - start, CHUNK).to(tl.int32)
+                    tl.store(cand_count_ptr + first_chunk + j, count)
+            # Other threads of this program read what these wrote.
+            tl.debug_barrier()
+    else:
+        prefix, _ = _topk_resolve(hist_ptr, k, LEVEL, NUM_BINS)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     misses = tl.zeros([BLOCK], dtype=tl.int32)
-    for first in range(0, count, BLOCK):
-        valid = first + lanes < count
-        acc = tl.load(cand_value_ptr + start + first + lanes, mask=valid, other=0.0)
-        key = acc.to(tl.uint32, bitcast=True) << 1
-        match = valid & ((key >> (32 - 8 * LEVEL)) == prefix)
-        digit = ((key >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
-        # Non-matching lanes are counted in bin 0 and subtracted below: tl.histogram's
-        # mask argument is newer than the Triton versions this must run on.
-        counts += tl.histogram(tl.where(match, digit, 0), NUM_BINS)
-        misses += (~match).to(tl.int32)
+    for j in range(CHUNKS_PER_PROGRAM):
+        chunk = first_chunk + j
+        start = chunk.to(tl.int64) * CHUNK
+        count = tl.load(cand_count_ptr + chunk, mask=chunk < num_chunks, other=0)
+        for first in range(0, count, BLOCK):
+            valid = first + lanes < count
+            acc = tl.load(cand_value_ptr + start + first + lanes, mask=valid, other=0.0)
+            key = _topk_key(acc)
+            if LEVEL == 0:
+                match = valid
+            else:
+                match = valid & ((key >> (32 - 8 * LEVEL)) == prefix)
+            digit = ((key >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+            # Non-matching lanes are counted in bin 0 and subtracted below: tl.histogram's
+            # mask argument is newer than the Triton versions this must run on.
+            counts += tl.histogram(tl.where(match, digit, 0), NUM_BINS)
+            misses += (~match).to(tl.int32)
     bins = tl.arange(0, NUM_BINS)
     counts -= tl.where(bins == 0, tl.sum(misses, 0), 0)
     tl.atomic_add(hist_ptr + LEVEL * NUM_BINS + bins, counts, mask=counts > 0, sem="relaxed")
@@ -202,7 +284,7 @@ def _topk_tie_count_kernel(
     for first in range(0, count, BLOCK):
         valid = first + lanes < count
         acc = tl.load(cand_value_ptr + start + first + lanes, mask=valid, other=0.0)
-        key = acc.to(tl.uint32, bitcast=True) << 1
+        key = _topk_key(acc)
         above += (valid & (key > threshold)).to(tl.int32)
         equal += (valid & (key == threshold)).to(tl.int32)
     tl.store(chunk_stats_ptr + 2 * chunk, tl.sum(above, 0))
@@ -268,7 +350,7 @@ def _topk_write_kernel(
         valid = first + lanes < count
         index = tl.load(cand_index_ptr + start + first + lanes, mask=valid, other=0)
         acc = tl.load(cand_value_ptr + start + first + lanes, mask=valid, other=0.0)
-        key = acc.to(tl.uint32, bitcast=True) << 1
+        key = _topk_key(acc)
         tie = (valid & (key == threshold)).to(tl.int32)
         rank = tie_rank + tl.cumsum(tie, 0) - tie
         take = valid & ((key > threshold) | ((tie != 0) & (rank < ties_needed)))
@@ -321,20 +403,49 @@ def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> 
     return k
 
 
+def _sample_positions_ref(samples: int, stride: int) -> torch.Tensor:
+    """The elements the sample kernel reads: one in each stretch of ``stride``, at a place
+    set by a multiplicative hash of the stretch's number (int64, on the CPU)."""
+    sample = torch.arange(samples, dtype=torch.int64)
+    mixed = (sample * 0x9E3779B1) & 0xFFFFFFFF
+    mixed ^= mixed >> 15
+    return sample * stride + mixed % stride
+
+
+def _sample_bound(n: int, k: int) -> tuple[int, int, int]:
+    """(samples, stride, m): how many keys to sample, every how many elements, and the rank
+    in the sample whose bin bounds the candidates (above ``samples``: no bound)."""
+    samples = min(n, _SAMPLE_SIZE)
+    stride = n // samples
+    if samples == n:  # the sample is the whole tensor: its k-th largest is exact
+        return samples, stride, k
+    expected = k * samples / n
+    m = math.ceil(expected + _MARGIN_SIGMAS * math.sqrt(expected) + _MARGIN_EXTRA)
+    return samples, stride, min(m, samples + 1)
+
+
 def topk_compress(
     grad: torch.Tensor, residual: torch.Tensor | None, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`topk_compress_ref`: the same bits, no host synchronisation.
 
-    Radix select on the 32-bit key ``bits(acc) << 1`` in four 8-bit digits. Pass 1 adds
-    the residual (writing ``acc`` back into it) and histograms the top digit; pass 2
-    re-reads ``acc`` and copies every element at or above the boundary digit, in index
-    order, into per-chunk candidate slices; the three lower digits, the ties at the exact
-    threshold and the final ascending compaction only touch those candidates. Device
-    traffic is 16 bytes per element with error feedback (8 without) plus the candidates.
+    One pass over the data and radix select on the candidates it keeps, with the 32-bit key
+    ``bits(acc) << 1`` in four 8-bit digits:
 
-    Scratch: ``8 * n`` bytes of candidate buffer (all of it only when most elements tie
-    with the k-th largest), a few bytes per 16K-element chunk and a 4 KB histogram.
+    1. a stratified sample of 65536 keys bounds the k-th largest key from below, with a margin;
+    2. the pass adds the residual (writing ``acc`` back into it) and copies every element
+       at or above that bound, in index order, into per-chunk candidate slices: about 1.5%
+       of the elements at k = 1% of gradient-like data;
+    3. should fewer than k elements reach the bound, every element becomes a candidate
+       (same result, slower; the first radix level does this);
+    4. four digit histograms of the candidates fix the k-th largest key, a count of the
+       keys equal to it per chunk hands the ties out lowest index first, and the chosen
+       candidates are written in ascending order.
+
+    Device traffic is 12 bytes per element with error feedback (4 without) plus the
+    candidates. Scratch: ``8 * n`` bytes of candidate buffer (all of it only when most
+    elements tie with the k-th largest, or in step 3), a few bytes per 32K-element chunk and
+    132 KB of histograms.
 
     Args:
         grad: 1-D contiguous float32 tensor of ``n < 2**31`` elements.
@@ -367,28 +478,36 @@ def topk_compress(
     acc = residual if has_residual else grad
     chunk = _CHUNK_BLOCK * _CHUNK_ITERS
     num_chunks = triton.cdiv(n, chunk)
-    hist = torch.zeros(_NUM_LEVELS * _NUM_BINS, dtype=torch.int32, device=device)
+    # One zeroed buffer for every counter: the level histograms, the sample's histogram,
+    # the candidate total, the bound and the count of finished sample programs.
+    levels_size = _NUM_LEVELS * _NUM_BINS
+    sample_size = _SAMPLE_COPIES << _FINE_BITS
+    counters = torch.zeros(levels_size + sample_size + 3, dtype=torch.int32, device=device)
+    hist = counters[:levels_size]
+    sample_hist = counters[levels_size : levels_size + sample_size]
+    total, window, done = counters[-3:-2], counters[-2:-1], counters[-1:]
     cand_index = torch.empty(num_chunks * chunk, dtype=torch.int32, device=device)
     cand_value = torch.empty(num_chunks * chunk, dtype=torch.float32, device=device)
     cand_count = torch.empty(num_chunks, dtype=torch.int32, device=device)
     chunk_stats = torch.empty(2 * num_chunks, dtype=torch.int32, device=device)
     chunk_offsets = torch.empty(2 * num_chunks, dtype=torch.int32, device=device)
 
-    _topk_histogram_kernel[(triton.cdiv(n, _HIST_BLOCK * _HIST_ITERS),)](
-        grad, acc, hist, n,
-        HAS_RESIDUAL=has_residual, BLOCK=_HIST_BLOCK, ITERS=_HIST_ITERS,
-        NUM_BINS=_NUM_BINS, num_warps=_HIST_WARPS,
+    samples, stride, m = _sample_bound(n, k)
+    _topk_sample_kernel[(triton.cdiv(samples, _SAMPLE_BLOCK),)](
+        grad, acc, sample_hist, done, window, samples, stride, m,
+        HAS_RESIDUAL=has_residual, BLOCK=_SAMPLE_BLOCK, FINE_BITS=_FINE_BITS,
+        COPIES=_SAMPLE_COPIES, num_warps=4,
     )  # fmt: skip
-    _topk_partition_kernel[(num_chunks,)](
-        acc, hist, cand_index, cand_value, cand_count, n, k,
-        BLOCK=_CHUNK_BLOCK, ITERS=_CHUNK_ITERS, ROW=_PARTITION_ROW, NUM_BINS=_NUM_BINS,
+    _topk_candidates_kernel[(num_chunks,)](
+        grad, acc, window, cand_index, cand_value, cand_count, total, n,
+        HAS_RESIDUAL=has_residual, BLOCK=_CHUNK_BLOCK, ITERS=_CHUNK_ITERS, ROW=_PARTITION_ROW,
         num_warps=_CHUNK_WARPS,
     )  # fmt: skip
-    for level in range(1, _NUM_LEVELS):
-        _topk_refine_kernel[(num_chunks,)](
-            cand_value, cand_count, hist, k,
-            LEVEL=level, CHUNK=chunk, BLOCK=_CAND_BLOCK, NUM_BINS=_NUM_BINS,
-            num_warps=_CHUNK_WARPS,
+    for level in range(_NUM_LEVELS):
+        _topk_level_kernel[(triton.cdiv(num_chunks, _LEVEL_CHUNKS),)](
+            acc, cand_index, cand_value, cand_count, total, hist, n, num_chunks, k,
+            LEVEL=level, CHUNK=chunk, CHUNKS_PER_PROGRAM=_LEVEL_CHUNKS, BLOCK=_CAND_BLOCK,
+            NUM_BINS=_NUM_BINS, num_warps=_CHUNK_WARPS,
         )  # fmt: skip
     _topk_tie_count_kernel[(num_chunks,)](
         cand_value, cand_count, hist, chunk_stats, k,
