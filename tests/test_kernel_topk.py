@@ -235,17 +235,24 @@ def _reach_sample_bound(acc: torch.Tensor, k: int) -> int:
     return int((fine >= bound).sum())
 
 
+def _planted(n: int, seed: int, rest: float, sampled_value: float) -> torch.Tensor:
+    """``rest + U[0, 1)`` everywhere but at the positions the kernel samples, which hold
+    ``sampled_value * (1 + U[0, 1))``."""
+    gen = torch.Generator().manual_seed(seed)
+    grad = rest + torch.rand(n, generator=gen)
+    sampled = _sampled(n, 1)
+    grad[sampled] = sampled_value * (1 + torch.rand(sampled.numel(), generator=gen))
+    return grad
+
+
 def test_sample_bound_too_high_falls_back():
     # Every sampled position holds a large value, the rest small ones: the sample puts its
     # bound above all but the sampled elements, fewer than k, so every element becomes a
     # candidate. The result must not change.
     with small_tiles():
         n = 1000
-        sampled = _sampled(n, 1)
-        samples = sampled.numel()
-        gen = torch.Generator().manual_seed(2)
-        grad = torch.rand(n, generator=gen)
-        grad[sampled] = 100.0 + torch.rand(samples, generator=gen)
+        samples = _sampled(n, 1).numel()
+        grad = _planted(n, seed=2, rest=0.0, sampled_value=100.0)
         for k in [samples + 1, 200, 300]:
             assert _reach_sample_bound(grad, k) < k
             assert_matches_reference(grad, None, k)
@@ -256,14 +263,11 @@ def test_sample_bound_below_every_element():
     # The sample sees only the small values: its bound keeps almost every element.
     with small_tiles():
         n = 640
-        sampled = _sampled(n, 1)
-        samples = sampled.numel()
-        gen = torch.Generator().manual_seed(4)
-        grad = 100.0 + torch.rand(n, generator=gen)
-        grad[sampled] = torch.rand(samples, generator=gen) * 1e-3
+        samples = _sampled(n, 1).numel()
+        grad = _planted(n, seed=4, rest=100.0, sampled_value=1e-3)
         for k in [1, 10, 300]:
             assert _reach_sample_bound(grad, k) >= n - samples
-            assert_matches_reference(grad, torch.randn(n, generator=gen), k)
+            assert_matches_reference(grad, torch.randn(n), k)
 
 
 def test_sample_positions():
