@@ -149,13 +149,14 @@ def scatter_add(
                 f"counts must hold {world_size} integers in [0, {m}] (one per row of indices), "
                 f"got {list(counts)}; pass None when every entry is real"
             )
-        count_tensor = torch.tensor(count_list, dtype=torch.int32).to(device, non_blocking=True)
+        count_tensor = torch.tensor(count_list, dtype=torch.int32, device=device)
     if numel == 0 or world_size == 0 or m == 0:
         return torch.zeros(numel, dtype=torch.float32, device=device)
     out = torch.empty(numel, dtype=torch.float32, device=device)
     num_tiles = triton.cdiv(numel, TILE_SIZE)
     num_bounds = num_tiles + 1
     bounds = torch.empty(world_size, num_bounds, dtype=torch.int32, device=device)
+    # Without counts the kernel reads none: any int32 tensor stands in for the pointer.
     _scatter_bounds_kernel[(triton.cdiv(num_bounds, SEARCH_BLOCK), world_size)](
         indices, indices if count_tensor is None else count_tensor, bounds, m, num_bounds,
         m.bit_length(), HAS_COUNTS=count_tensor is not None, TILE_SIZE=TILE_SIZE,

@@ -30,8 +30,9 @@ _SAMPLE_SIZE = 1 << 16
 _SAMPLE_BLOCK = 1024
 _FINE_BITS = 13
 # The sample's integer atomics go to this many copies of its histogram (by lane), which
-# the window kernel adds up: gradient-like keys crowd into a few bins, and on one copy the
-# atomics on those bins queued behind each other (21 us of a 0.5 ms call on the H200).
+# the last sample program adds up (_topk_window): gradient-like keys crowd into a few
+# bins, and on one copy the atomics on those bins queued behind each other (21 us of a
+# 0.5 ms call on the H200).
 # 12 fine bits (1/16 of a power of two) measured 0.560 ms there against 0.508 for 13.
 _SAMPLE_COPIES = 4
 _MARGIN_SIGMAS = 4.0
@@ -118,6 +119,7 @@ def _topk_sample_kernel(
     # elements, so a stride of 256), and the columns it then sees may not be typical.
     mixed = sample.to(tl.uint32) * 0x9E3779B1
     mixed = mixed ^ (mixed >> 15)
+    # _sample_positions_ref computes the same positions for the tests: keep the two alike.
     # (No method calls on stride: Triton passes an int argument equal to 1 as a constant.)
     offsets = sample.to(tl.int64) * stride + mixed.to(tl.int64) % stride
     acc = tl.load(grad_ptr + offsets, mask=valid, other=0.0)
@@ -405,7 +407,8 @@ def _check_inputs(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> 
 
 def _sample_positions_ref(samples: int, stride: int) -> torch.Tensor:
     """The elements the sample kernel reads: one in each stretch of ``stride``, at a place
-    set by a multiplicative hash of the stretch's number (int64, on the CPU)."""
+    set by a multiplicative hash of the stretch's number (int64, on the CPU). The kernel's
+    hash must stay the same as this one."""
     sample = torch.arange(samples, dtype=torch.int64)
     mixed = (sample * 0x9E3779B1) & 0xFFFFFFFF
     mixed ^= mixed >> 15
