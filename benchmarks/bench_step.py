@@ -1,38 +1,290 @@
 """Whole training-step time with each compressor, against DistributedDataParallel.
 
     torchrun --nproc_per_node=W benchmarks/bench_step.py --params 1e8 [--params 1e9] [--out FILE]
+    torchrun --nproc_per_node=W benchmarks/bench_step.py --model gpt [--out FILE]
 
-A synthetic model of square linear layers (no bias) holding about ``--params`` fp32
-parameters; each rank a batch of ``--batch`` rows. For each variant: the median step time of
-``--steps`` steps after ``--warmup``, bytes this rank sent per step, and (from a second run
-with ``profile=True``, which synchronizes) the share of the step spent compressing and
-communicating and aggregating. NCCL on GPUs, gloo on CPUs. Rank 0 prints a
-markdown table and appends it to ``--out``.
+Two models:
+
+- ``--model linear`` (the default): square 4096-wide linear layers (no bias) holding about
+  ``--params`` fp32 parameters, loss ``mean(y**2)``, SGD with momentum, a batch of
+  ``--batch`` rows (default 64) per rank.
+- ``--model gpt``: a GPT-2-small-shaped language model (``--layers 12 --d-model 768
+  --heads 12 --vocab 50257 --context 512``, untied ``lm_head``: 163M parameters in 149
+  tensors), bf16 autocast, AdamW, ``--batch`` sequences (default 8) per rank, random tokens.
+
+Variants (``--variants``, comma separated): ``none`` (the plain optimizer, no exchange),
+``DDP`` (fp32), ``DDP+fp16`` (DDP with ``fp16_compress_hook``), a sparsecomm compressor
+wrapping the optimizer (``Dense()``, ``Cast(bf16)``, ``Cast(fp16)``, ``TopK(d)``,
+``Threshold(t)``), and ``ddp+sc-<compressor>``: DDP with ``sparsecomm.ddp_comm_hook``
+(reported as skipped while sparsecomm has no ``ddp_comm_hook``).
+
+Each row builds a fresh model from the same seed, runs ``--warmup`` steps and times
+``--steps`` (forward, backward, optimizer step, ``zero_grad``; the device synchronized
+before and after each step); the rows run in turn, ``--repeats`` times (every other repeat
+in reverse order, against drift), and the table gives the median of the per-repeat medians.
+Per row also: peak memory (``torch.cuda.max_memory_allocated``, reset before the row's model
+is built), bytes this rank sent per step, the ratios against the DDP and DDP+fp16 rows, and
+after all timing (so that the profiler cannot slow a timed step) a pass that counts the CUDA
+kernels of one profiled step (``torch.profiler``, CUDA activity; n/a on CPU). For sparsecomm
+rows, a further 5 steps with ``profile=True`` (which synchronizes) give the share of the
+step spent compressing / communicating / aggregating. NCCL on GPUs, gloo on CPUs. Rank 0
+prints a markdown table with the targets of issue 11 and appends both to ``--out``.
+
+    # CPU smoke test of every code path (seconds):
+    torchrun --nproc_per_node=2 benchmarks/bench_step.py --model gpt --layers 2 --d-model 64 \\
+        --heads 2 --vocab 256 --context 32 --batch 2 --warmup 1 --steps 2
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import math
 import os
+import re
 import statistics
 import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import sparsecomm
 
 WIDTH = 4096  # 16.8M parameters per layer: large buckets, realistic GEMMs
 
+DEFAULT_VARIANTS = {
+    "linear": "DDP,Dense(),Cast(bf16),TopK(0.01),TopK(0.001)",
+    "gpt": "none,DDP,DDP+fp16,Dense(),Cast(bf16),TopK(0.01),TopK(0.001),ddp+sc-TopK(0.01)",
+}
+DEFAULT_BATCH = {"linear": 64, "gpt": 8}
+DEFAULT_WARMUP = {"linear": 5, "gpt": 10}
+DEFAULT_STEPS = {"linear": 20, "gpt": 30}
+PROFILE_STEPS = 5  # steps with profile=True for the compress / communicate / aggregate shares
+LAUNCH_WARMUP = 3  # steps before the profiled one: optimizer state made, kernels compiled
+LAUNCH_EXTRA_S = 45.0  # the kernel counts may start until --budget-s plus this
 
-def make_model(params: float, device) -> torch.nn.Module:
+
+# ----------------------------------------------------------------------------- models
+
+
+def make_linear(params: float, device) -> nn.Module:
     layers = max(1, round(params / WIDTH**2))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    with torch.device(device):  # initialized where it runs: 1e9 parameters in milliseconds
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
     for layer in model:
-        torch.nn.init.normal_(layer.weight, std=WIDTH**-0.5)
-    return model.to(device)
+        nn.init.normal_(layer.weight, std=WIDTH**-0.5)
+    return model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.c_proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 layout (pre-norm blocks, learned positions), with an untied ``lm_head``."""
+
+    def __init__(self, layers: int, d_model: int, heads: int, vocab: int, context: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(context, d_model)
+        self.h = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("c_proj") else 0.02
+                nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def fmt_params(numel: int) -> str:
+    return f"{numel / 1e6:.0f}M" if numel >= 10**7 else f"{numel / 1e6:.3g}M"
+
+
+@dataclass
+class Workload:
+    """One model, its batch, its loss and its optimizer: what every row of a table shares."""
+
+    label: str  # for the table's params column
+    description: str  # for the table's header
+    make_model: Callable[[], nn.Module]
+    make_optimizer: Callable[[list], torch.optim.Optimizer]
+    loss: Callable[[nn.Module], torch.Tensor]
+    targets: list = field(default_factory=list)
+
+
+def linear_workload(params: float, args, device) -> Workload:
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    x = torch.randn(args.batch, WIDTH, device=device, generator=gen)
+    layers = max(1, round(params / WIDTH**2))
+    return Workload(
+        label=fmt_params(layers * WIDTH**2),
+        description=f"linear: {layers} x {WIDTH}x{WIDTH} layers, SGD momentum 0.9, fp32, "
+        f"batch {args.batch} per rank",
+        make_model=lambda: make_linear(params, device),
+        make_optimizer=lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+        loss=lambda model: model(x).float().pow(2).mean(),
+        targets=[("TopK(0.01)", "DDP", 1.25, "TopK(0.01) <= 1.25x DDP (issue 11, at 1e9)")],
+    )
+
+
+def gpt_workload(args, device) -> Workload:
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    tokens = torch.randint(
+        args.vocab, (args.batch, args.context + 1), device=device, generator=gen
+    )
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def make_model():
+        torch.manual_seed(0)
+        with torch.device(device):
+            return GPT(args.layers, args.d_model, args.heads, args.vocab, args.context)
+
+    def loss(model):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(inputs)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    with torch.device("meta"):
+        shape = GPT(args.layers, args.d_model, args.heads, args.vocab, args.context)
+    numel = sum(p.numel() for p in shape.parameters())
+    tensors = len(list(shape.parameters()))
+    return Workload(
+        label=fmt_params(numel),
+        description=f"GPT: {args.layers} layers, d={args.d_model}, {args.heads} heads, vocab "
+        f"{args.vocab}, context {args.context}, untied lm_head ({numel / 1e6:.1f}M parameters "
+        f"in {tensors} tensors), bf16 autocast, AdamW, batch {args.batch}x{args.context} "
+        "per rank",
+        make_model=make_model,
+        make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.1),
+        loss=loss,
+        targets=[
+            ("TopK(0.01)", "DDP", 1.10, "TopK(0.01) <= 1.10x DDP"),
+            ("Dense()", "DDP", 1.03, "Dense() <= 1.03x DDP"),
+            ("Cast(bf16)", "DDP+fp16", 1.00, "Cast(bf16) <= DDP+fp16 hook"),
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def make_compressor(name: str) -> sparsecomm.Compressor:
+    fixed = {
+        "Dense()": sparsecomm.Dense,
+        "Cast(bf16)": lambda: sparsecomm.Cast(torch.bfloat16),
+        "Cast(fp16)": lambda: sparsecomm.Cast(torch.float16),
+    }
+    if name in fixed:
+        return fixed[name]()
+    match = re.fullmatch(r"(TopK|Threshold)\(([0-9.eE+-]+)\)", name)
+    if match is None:
+        raise SystemExit(
+            f"unknown variant {name!r}: use none, DDP, DDP+fp16, Dense(), Cast(bf16), "
+            "Cast(fp16), TopK(d), Threshold(t), or ddp+sc-<one of those compressors>"
+        )
+    return getattr(sparsecomm, match.group(1))(float(match.group(2)))
+
+
+def is_sparsecomm(name: str) -> bool:
+    return name not in ("none", "DDP", "DDP+fp16") and not name.startswith("ddp+sc-")
+
+
+def skip_reason(name: str) -> str:
+    if name.startswith("ddp+sc-") and not hasattr(sparsecomm, "ddp_comm_hook"):
+        return "skipped: sparsecomm has no ddp_comm_hook"
+    return ""
+
+
+@dataclass
+class Built:
+    step: Callable[[], None]
+    numel: int
+    sent_bytes: Callable[[], int | None]
+    optimizer: torch.optim.Optimizer
+    objects: list  # what holds memory, dropped after the row
+
+
+def build_row(name: str, workload: Workload, device) -> Built:
+    model = workload.make_model()
+    numel = sum(p.numel() for p in model.parameters())
+    module = model
+    sent_bytes: Callable[[], int | None] = lambda: 0  # noqa: E731
+    if name in ("DDP", "DDP+fp16") or name.startswith("ddp+sc-"):
+        module = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25
+        )
+        if name == "DDP":
+            sent_bytes = lambda: 4 * numel  # noqa: E731
+        elif name == "DDP+fp16":
+            module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            sent_bytes = lambda: 2 * numel  # noqa: E731
+        else:
+            state, hook = sparsecomm.ddp_comm_hook(make_compressor(name[len("ddp+sc-") :]))
+            module.register_comm_hook(state, hook)
+
+            def sent_bytes(state=state):
+                if hasattr(state, "last_bytes_sent"):
+                    return state.last_bytes_sent
+                return getattr(getattr(state, "last_stats", None), "bytes_sent", None)
+
+        optimizer = workload.make_optimizer(list(module.parameters()))
+    elif name == "none":
+        optimizer = workload.make_optimizer(list(model.parameters()))
+    else:
+        # Built before the first backward: the exchange may run in backward hooks.
+        optimizer = sparsecomm.CompressedOptimizer(
+            workload.make_optimizer(list(model.parameters())), make_compressor(name)
+        )
+        sent_bytes = lambda: optimizer.last_stats.bytes_sent  # noqa: E731
+
+    def step():
+        workload.loss(module).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return Built(step, numel, sent_bytes, optimizer, [module, model, optimizer])
 
 
 def sync(device) -> None:
@@ -40,114 +292,337 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(model, step_fn, args, device) -> list[float]:
-    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    x = torch.randn(args.batch, WIDTH, device=device, generator=gen)
+def time_steps(step, warmup: int, steps: int, device) -> list[float]:
     times = []
-    for i in range(args.warmup + args.steps):
+    for i in range(warmup + steps):
         sync(device)
         start = time.perf_counter()
-        model(x).float().pow(2).mean().backward()
-        step_fn()
+        step()
         sync(device)
-        if i >= args.warmup:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
 
 
-def run_variant(name, params, args, device):
-    model = make_model(params, device)
-    numel = sum(p.numel() for p in model.parameters())
-    shares = ""
-    sent = 0
-    if name == "DDP":
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+def release(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
-        def step():
-            opt.step()
-            opt.zero_grad()
 
-        times = time_steps(ddp, step, args, device)
-        sent = 4 * numel
-    else:
-        compressor = {
-            "Dense()": sparsecomm.Dense(),
-            "Cast(bf16)": sparsecomm.Cast(torch.bfloat16),
-            "TopK(0.01)": sparsecomm.TopK(0.01),
-            "TopK(0.001)": sparsecomm.TopK(0.001),
-        }[name]
-        opt = sparsecomm.CompressedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), compressor
-        )
+@dataclass
+class Result:
+    name: str
+    note: str = ""
+    numel: int = 0
+    medians: list = field(default_factory=list)  # one per repeat, seconds
+    peak_bytes: int | None = None
+    base_bytes: int = 0  # allocated when the row started (left by earlier rows)
+    sent: int | None = None
+    shares: str = ""
+    kernels: int | None = None
+    launch_calls: int | None = None
 
-        def step():
-            opt.step()
-            opt.zero_grad()
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.medians) if self.medians else None
 
-        times = time_steps(model, step, args, device)
-        sent = opt.last_stats.bytes_sent
-        opt.profile = True
-        profiled = time_steps(model, step, argparse.Namespace(**{**vars(args), "steps": 5}), device)
-        stats = opt.last_stats
-        total = statistics.median(profiled)
-        shares = " / ".join(
-            f"{100 * seconds / total:.0f}%"
-            for seconds in (
-                stats.compress_seconds,
-                stats.communicate_seconds,
-                stats.aggregate_seconds,
+
+def time_row(result: Result, workload: Workload, args, device, first: bool) -> None:
+    """One timed run of a row: fresh model, warmup, timed steps, peak memory."""
+    cuda = device.type == "cuda"
+    release(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        result.base_bytes = max(result.base_bytes, torch.cuda.memory_allocated(device))
+    built = build_row(result.name, workload, device)
+    times = time_steps(built.step, args.warmup, args.steps, device)
+    result.medians.append(statistics.median(times))
+    result.numel = built.numel
+    result.sent = built.sent_bytes()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+        result.peak_bytes = max(result.peak_bytes or 0, peak)
+    if first and args.shares and is_sparsecomm(result.name):
+        result.shares = profile_shares(built, device)
+    del built
+    release(device)
+
+
+def profile_shares(built: Built, device) -> str:
+    """compress / communicate / aggregate share of a step, from PROFILE_STEPS steps with
+    profile=True (which synchronizes around each part)."""
+    opt = built.optimizer
+    opt.profile = True
+    profiled = time_steps(built.step, 0, PROFILE_STEPS, device)
+    opt.profile = False
+    stats = opt.last_stats
+    total = statistics.median(profiled)
+    parts = [
+        getattr(stats, name, None)
+        for name in ("compress_seconds", "communicate_seconds", "aggregate_seconds")
+    ]
+    if any(part is None for part in parts) or total <= 0:
+        return "n/a"
+    return " / ".join(f"{100 * seconds / total:.0f}%" for seconds in parts)
+
+
+LAUNCH_APIS = ("LaunchKernel", "cudaGraphLaunch", "LaunchCooperativeKernel")
+
+
+def count_kernels(step, device) -> tuple[int | None, int | None]:
+    """(GPU kernels, CUDA launch API calls) in one profiled step; (None, None) on CPU.
+
+    GPU kernels: the profiler's device events (ProfilerActivity.CUDA), leaving out memcpy,
+    memset and the GPU copies of record_function ranges (DDP annotates its forward; those
+    carry a CPU event's name or the user-annotation flag). Launch calls: the host's
+    cudaLaunchKernel / cuLaunchKernel(Ex) / cudaLaunchKernelExC / graph launch events."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = list(prof.events())
+    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    kernels = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith(("Memcpy", "Memset"))
+        and e.name not in cpu_names
+    ]
+    launches = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and any(api in e.name for api in LAUNCH_APIS)
+    ]
+    if not cuda:
+        return None, None
+    return len(kernels), len(launches)
+
+
+def launch_row(result: Result, workload: Workload, device) -> None:
+    release(device)
+    built = build_row(result.name, workload, device)
+    time_steps(built.step, LAUNCH_WARMUP, 0, device)
+    result.kernels, result.launch_calls = count_kernels(built.step, device)
+    del built
+    release(device)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def agreed(value):
+    """Rank 0's value on every rank (decisions that change which collectives run)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def guarded(result: Result, what: str, fn) -> bool:
+    """Run one part of a row; on failure note it in the row and go on with the others."""
+    try:
+        fn()
+        return True
+    except Exception as error:  # noqa: BLE001 - a benchmark reports and measures the rest
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+        result.note = f"{what} failed: {type(error).__name__}: {error}"[:200].replace("|", "/")
+        return False
+
+
+def run_table(workload: Workload, names: list[str], args, device, started: float) -> list[Result]:
+    results = [Result(name, note=skip_reason(name)) for name in names]
+    rank = dist.get_rank()
+
+    def out_of_time(extra: float = 0.0) -> bool:  # the same answer on every rank
+        limit = None if args.budget_s is None else args.budget_s + extra
+        return agreed(limit is not None and time.monotonic() - started > limit)
+
+    stopped = False
+    for repeat in range(args.repeats):
+        order = results if repeat % 2 == 0 else results[::-1]
+        for result in order:
+            if result.note:
+                continue
+            if repeat > 0 and out_of_time():  # the first repeat always runs whole
+                stopped = True
+                break
+            ok = guarded(
+                result, "timing", lambda r=result: time_row(r, workload, args, device, repeat == 0)
             )
+            if rank == 0 and ok:
+                print(
+                    f"# {workload.label} {result.name} repeat {repeat + 1}: "
+                    f"{result.medians[-1] * 1e3:.2f} ms ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
+        if rank == 0:  # what a timeout would otherwise lose
+            print(f"# after repeat {repeat + 1}:", format_table(workload, results, args, device))
+        if stopped:
+            if rank == 0:
+                print(f"# time budget of {args.budget_s:.0f} s spent in repeat {repeat + 1}")
+            break
+    if args.launches:
+        for result in results:
+            if result.note or not result.medians:
+                continue
+            if out_of_time(extra=LAUNCH_EXTRA_S):
+                if rank == 0:
+                    print(f"# time budget spent: no kernel count from {result.name} on")
+                break
+            guarded(result, "kernel count", lambda r=result: launch_row(r, workload, device))
+    return results
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.3f}x" if a is not None and b else ""
+
+
+def format_table(workload: Workload, results: list[Result], args, device) -> str:
+    by_name = {r.name: r for r in results}
+    ddp = by_name.get("DDP")
+    fp16 = by_name.get("DDP+fp16")
+    ddp_ms = ddp.median if ddp else None
+    fp16_ms = fp16.median if fp16 else None
+    ddp_peak = ddp.peak_bytes if ddp else None
+    world = dist.get_world_size()
+    lines = []
+    for r in results:
+        head = f"| {workload.label} | {world} | {args.label} | {r.name} |"
+        if r.median is None:
+            lines.append(head + f" {r.note or 'no result'} |" + " |" * 10)
+            continue
+        repeats = " / ".join(f"{m * 1e3:.2f}" for m in r.medians)
+        peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.2f}"
+        kernels = "n/a" if r.kernels is None else str(r.kernels)
+        calls = "n/a" if r.launch_calls is None else str(r.launch_calls)
+        sent = "" if r.sent is None else f"{r.sent / 1e6:.4g}"
+        lines.append(
+            head + f" {r.median * 1e3:.2f} | {repeats} | {ratio(r.median, ddp_ms)} | "
+            f"{ratio(r.median, fp16_ms)} | {peak} | {ratio(r.peak_bytes, ddp_peak)} | "
+            f"{kernels} | {calls} | {sent} | {r.shares} | {r.note} |"
         )
-    return statistics.median(times), sent, numel, shares
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (not a measurement)"
+    header = [
+        f"\n{gpu}, torch {torch.__version__}, {datetime.date.today().isoformat()}, W={world}",
+        f"{workload.description}; {args.warmup} warmup + {args.steps} timed steps per row, "
+        f"{max((len(r.medians) for r in results), default=0)} repeat(s) of the rows "
+        "(every other one in reverse order)",
+        "",
+        "| params | W | path | variant | step ms (median of repeats) | repeat medians ms | "
+        "x DDP | x DDP+fp16 | peak GiB | peak x DDP | kernels / step | launch calls / step | "
+        "MB sent / rank / step | compress / communicate / aggregate share | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = max((r.base_bytes for r in results), default=0)
+    notes = [""]
+    if base > 2**20:
+        notes.append(
+            f"- {base / 2**30:.2f} GiB were still allocated when some row started "
+            "(included in its peak)"
+        )
+    notes += target_lines(workload, by_name)
+    return "\n".join(header + lines + notes)
+
+
+def target_lines(workload: Workload, by_name: dict) -> list[str]:
+    lines = ["", "Targets (issue 11):", ""]
+
+    def verdict(value, limit):
+        return "met" if value <= limit else "NOT met"
+
+    for name, against, limit, text in workload.targets:
+        r, b = by_name.get(name), by_name.get(against)
+        if not (r and b and r.median and b.median):
+            lines.append(f"- {text}: n/a (a row is missing)")
+            continue
+        value = r.median / b.median
+        lines.append(
+            f"- {text}: {r.median * 1e3:.2f} / {b.median * 1e3:.2f} ms = {value:.3f}x, "
+            f"{verdict(value, limit)}"
+        )
+    ddp = by_name.get("DDP")
+    for r in by_name.values():
+        if r is ddp or r.name in ("none", "DDP+fp16") or r.median is None:
+            continue
+        if ddp is None or ddp.peak_bytes is None or r.peak_bytes is None:
+            lines.append(f"- {r.name} peak memory <= DDP's: n/a")
+            continue
+        value = r.peak_bytes / ddp.peak_bytes
+        lines.append(
+            f"- {r.name} peak memory <= DDP's: {r.peak_bytes / 2**30:.2f} / "
+            f"{ddp.peak_bytes / 2**30:.2f} GiB = {value:.3f}x, {verdict(value, 1.0)}"
+        )
+    return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", type=float, action="append", default=None)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--variants", default="DDP,Dense(),Cast(bf16),TopK(0.01),TopK(0.001)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument("--model", choices=("linear", "gpt"), default="linear")
+    parser.add_argument("--params", type=float, action="append", default=None,
+                        help="linear: parameters (repeatable; default 1e8)")
+    parser.add_argument("--layers", type=int, default=12, help="gpt")
+    parser.add_argument("--d-model", type=int, default=768, help="gpt")
+    parser.add_argument("--heads", type=int, default=12, help="gpt")
+    parser.add_argument("--vocab", type=int, default=50257, help="gpt")
+    parser.add_argument("--context", type=int, default=512, help="gpt")
+    parser.add_argument("--batch", type=int, default=None, help="per rank (linear 64, gpt 8)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (linear 20, gpt 30)")
+    parser.add_argument("--warmup", type=int, default=None, help="linear 5, gpt 10")
+    parser.add_argument("--repeats", type=int, default=2, help="times the set of rows runs")
+    parser.add_argument("--variants", default=None)
+    parser.add_argument("--no-launches", dest="launches", action="store_false",
+                        help="skip the profiled step that counts kernels")
+    parser.add_argument("--no-shares", dest="shares", action="store_false",
+                        help="skip the profile=True steps of the sparsecomm rows")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="after this many seconds start no further row of a repeat after "
+                        f"the first (nor a kernel count after {LAUNCH_EXTRA_S:.0f} s more)")
     parser.add_argument("--label", default="", help="network path, for the table")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="append the table here (rank 0)")
+    args = parser.parse_args()  # fmt: skip
+    args.batch = args.batch or DEFAULT_BATCH[args.model]
+    args.steps = DEFAULT_STEPS[args.model] if args.steps is None else args.steps
+    args.warmup = DEFAULT_WARMUP[args.model] if args.warmup is None else args.warmup
+    if args.steps < 1 or args.repeats < 1:
+        raise SystemExit("--steps and --repeats must be at least 1")
+    names = (args.variants or DEFAULT_VARIANTS[args.model]).split(",")
+    for name in names:  # fail before any work on a name nobody knows
+        if name not in ("none", "DDP", "DDP+fp16"):
+            make_compressor(name.removeprefix("ddp+sc-"))
 
+    started = time.monotonic()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cpu")
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    world_size = dist.get_world_size()
 
-    rows = []
-    for params in args.params or [1e8]:
-        for name in args.variants.split(","):
-            median, sent, numel, shares = run_variant(name, params, args, device)
-            if cuda:
-                torch.cuda.empty_cache()  # the variant's model and state are gone by now
-            rows.append(
-                f"| {numel / 1e6:.0f}M | {world_size} | {args.label} | {name} | "
-                f"{median * 1e3:.2f} | {sent / 1e6:.1f} | {shares} |"
-            )
-            if dist.get_rank() == 0:
-                print(rows[-1], flush=True)
-
+    if args.model == "gpt":
+        workloads = [gpt_workload(args, device)]
+    else:
+        workloads = [linear_workload(params, args, device) for params in args.params or [1e8]]
+    for workload in workloads:
+        results = run_table(workload, names, args, device, started)
+        if dist.get_rank() == 0:
+            table = format_table(workload, results, args, device)
+            print(table, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(table + "\n")
     if dist.get_rank() == 0:
-        gpu = torch.cuda.get_device_name(device) if cuda else "CPU"
-        header = [
-            f"\n{gpu}, torch {torch.__version__}, "
-            f"{datetime.date.today().isoformat()}, W={world_size}, batch {args.batch} per rank\n",
-            "| params | W | path | variant | step ms (median) | MB sent / rank / step | "
-            "compress / communicate / aggregate share |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        table = "\n".join(header + rows)
-        print(table)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(table + "\n")
+        print(f"# bench_step done in {time.monotonic() - started:.0f} s", flush=True)
     dist.barrier()  # tear down together: gloo can abort a rank whose peer left
     dist.destroy_process_group()
 

@@ -29,7 +29,7 @@ except ImportError:  # run from a checkout without `pip install -e .`: use the c
 
 try:  # a progress bar is a nicety, not a requirement
     from tqdm.auto import tqdm
-except ImportError:  # pragma: no cover - exercised only without tqdm
+except ImportError:  # without tqdm, train() runs with _NoBar (tests/test_examples.py)
     tqdm = None
 
 COMPRESSORS = ("dense", "fp16", "bf16", "topk", "threshold")
@@ -334,6 +334,27 @@ def read_json_log(path: str | Path) -> list[dict]:
 # --------------------------------------------------------------------------- the loop
 
 
+class _NoBar:
+    """What ``train()`` uses instead of a tqdm bar when there is none to show: the same
+    three methods, doing nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, initial: int, desc: str, show: bool):
+    """A tqdm bar when ``show`` and tqdm is installed; otherwise one that does nothing."""
+    if not show or tqdm is None:
+        return _NoBar()
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+
 def train(
     args: argparse.Namespace,
     model: torch.nn.Module,
@@ -370,13 +391,11 @@ def train(
     if start == 0 and rank == 0:  # the curve's starting point: the untrained model
         log.write(event="eval", step=0, mb_sent=0.0, dense_mb=0.0, **evaluate())
 
-    show = rank == 0 and not args.no_progress and tqdm is not None
-    bar = tqdm(
+    bar = progress_bar(
         total=args.steps,
         initial=start,
         desc=repr(optimizer.compressor),
-        disable=not show,
-        dynamic_ncols=True,
+        show=rank == 0 and not args.no_progress,
     )
     metrics: dict[str, float] = {}
     started = time.perf_counter()

@@ -1,12 +1,14 @@
 """sparsecomm: compressed gradient exchange with error feedback for data-parallel training.
 
 Wrap any ``torch.optim`` optimizer in :class:`CompressedOptimizer` and pick a compressor:
-:class:`Dense`, :class:`Cast`, :class:`Threshold` or :class:`TopK`. The compression kernels
+:class:`Dense`, :class:`Cast`, :class:`Threshold` or :class:`TopK`; or keep
+``DistributedDataParallel`` and register :func:`ddp_comm_hook`'s hook on it. The compression kernels
 live in ``sparsecomm.triton_kernels`` (Triton for CUDA tensors, torch references on CPU).
 """
 
 from ._stats import StepStats
 from .compressors import Cast, Compressor, Dense, Threshold, TopK
+from .ddp import DDPCommHookState, ddp_comm_hook
 from .optimizer import CompressedOptimizer, NonFiniteGradientError
 
 __version__ = "0.1.0"
@@ -20,4 +22,6 @@ __all__ = [
     "TopK",
     "StepStats",
     "NonFiniteGradientError",
+    "ddp_comm_hook",
+    "DDPCommHookState",
 ]

@@ -39,14 +39,30 @@ class Communicator:
         self.timed = False
         self.seconds = 0.0
 
-    def _run(self, collective, tensor: torch.Tensor, *args, **kwargs) -> None:
+    def _run(self, collective, tensor: torch.Tensor, *args, async_op: bool = False, **kwargs):
+        """Run ``collective``; with ``async_op`` return its handle (``None`` once done).
+        Timed runs always finish before returning, so that the time is the collective's."""
         if not self.timed:
+            if async_op:
+                return collective(*args, async_op=True, **kwargs)
             collective(*args, **kwargs)
-            return
+            return None
         _synchronize(tensor)
         start = time.perf_counter()
         collective(*args, **kwargs)
         _synchronize(tensor)
+        self.seconds += time.perf_counter() - start
+        return None
+
+    def wait(self, work) -> None:
+        """Wait for a handle returned by an ``async_op=True`` collective (``None``: done)."""
+        if work is None:
+            return
+        if not self.timed:
+            work.wait()
+            return
+        start = time.perf_counter()
+        work.wait()
         self.seconds += time.perf_counter() - start
 
     @property
@@ -55,19 +71,37 @@ class Communicator:
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place over all ranks (every rank must call)."""
-        if self.distributed:
-            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            self._run(dist.all_reduce, tensor, tensor, op=reduce_op, group=self.group)
+        self.wait(self.start_all_reduce_(tensor, op))
         return tensor
+
+    def start_all_reduce_(self, tensor: torch.Tensor, op: str = "sum"):
+        """Start reducing ``tensor`` in place over all ranks; returns a handle for
+        :meth:`wait` (every rank must call, in the same order)."""
+        if not self.distributed:
+            return None
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return self._run(
+            dist.all_reduce, tensor, tensor, op=reduce_op, group=self.group, async_op=True
+        )
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack every rank's equally shaped ``tensor`` into ``[world_size, *shape]``, in rank
         order (every rank must call)."""
+        out, work = self.start_all_gather(tensor)
+        self.wait(work)
+        return out
+
+    def start_all_gather(self, tensor: torch.Tensor):
+        """Start :meth:`all_gather`: returns ``(out, handle)``; ``out`` is valid after
+        :meth:`wait` on the handle (every rank must call, in the same order)."""
         if not self.distributed:
-            return tensor.unsqueeze(0)
+            return tensor.unsqueeze(0), None
         out = tensor.new_empty((self.world_size * tensor.numel(),))
-        self._run(_all_gather_single, out, out, tensor.contiguous().view(-1), group=self.group)
-        return out.view(self.world_size, *tensor.shape)
+        work = self._run(
+            _all_gather_single, out, out, tensor.contiguous().view(-1), group=self.group,
+            async_op=True,
+        )
+        return out.view(self.world_size, *tensor.shape), work
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, in rank order (every rank must call)."""

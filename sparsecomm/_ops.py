@@ -1,8 +1,10 @@
-"""Picks the Triton kernel or the torch reference for each compression operation.
+"""Picks the implementation of each compression operation: Triton kernel, fast CPU path, or
+torch reference.
 
-CUDA tensors go to the Triton kernels and CPU tensors to the references. The environment
-variable ``SPARSECOMM_KERNELS`` overrides that: ``torch`` forces the references everywhere,
-``triton`` forces the kernels (on CPU tensors they need ``TRITON_INTERPRET=1``).
+CUDA tensors go to the Triton kernels and CPU tensors to the fast CPU paths (``*_cpu``),
+which return the references' bits. The environment variable ``SPARSECOMM_KERNELS``
+overrides that: ``torch`` forces the references (``*_ref``) everywhere, ``triton`` forces
+the kernels (on CPU tensors they need ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -19,31 +21,55 @@ from .triton_kernels import topk as _topk
 _MODES = ("auto", "torch", "triton")
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
+def _mode() -> str:
     mode = os.environ.get("SPARSECOMM_KERNELS", "auto")
     if mode not in _MODES:
         raise ValueError(
             f"SPARSECOMM_KERNELS={mode!r} is not one of {_MODES}; unset it to let sparsecomm "
-            "choose (Triton for CUDA tensors, torch for CPU tensors)"
+            "choose (Triton for CUDA tensors, the fast CPU paths for CPU tensors)"
         )
+    return mode
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    mode = _mode()
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
+def _pick(tensor: torch.Tensor, kernel, cpu, ref):
+    mode = _mode()
+    if mode == "triton" or (mode == "auto" and tensor.is_cuda):
+        return kernel
+    if mode == "torch":
+        return ref
+    return cpu if tensor.device.type == "cpu" else ref
+
+
 def threshold_compress(grad, residual, threshold_value):
-    impl = _threshold.threshold_compress if use_triton(grad) else _threshold.threshold_compress_ref
+    impl = _pick(
+        grad,
+        _threshold.threshold_compress,
+        _threshold.threshold_compress_cpu,
+        _threshold.threshold_compress_ref,
+    )
     return impl(grad, residual, threshold_value)
 
 
 def topk_compress(grad, residual, k):
-    impl = _topk.topk_compress if use_triton(grad) else _topk.topk_compress_ref
+    impl = _pick(grad, _topk.topk_compress, _topk.topk_compress_cpu, _topk.topk_compress_ref)
     return impl(grad, residual, k)
 
 
 def cast_compress(grad, residual, dtype, scale):
-    impl = _cast.cast_compress if use_triton(grad) else _cast.cast_compress_ref
+    impl = _pick(grad, _cast.cast_compress, _cast.cast_compress_cpu, _cast.cast_compress_ref)
     return impl(grad, residual, dtype, scale)
 
 
-def scatter_add(indices, values, counts, numel, scale):
-    impl = _scatter_add.scatter_add if use_triton(values) else _scatter_add.scatter_add_ref
-    return impl(indices, values, counts, numel, scale)
+def scatter_add(indices, values, counts, numel, scale, out=None):
+    impl = _pick(
+        values,
+        _scatter_add.scatter_add,
+        _scatter_add.scatter_add_cpu,
+        _scatter_add.scatter_add_ref,
+    )
+    return impl(indices, values, counts, numel, scale, out=out)

@@ -1,14 +1,18 @@
 """The four compressors: what each rank sends for one flat float32 bucket, and how the W
 messages become the averaged gradient.
 
-Each compressor does two things, called by :class:`sparsecomm.CompressedOptimizer` once per
-bucket and step:
+Each compressor does three things, called once per bucket and step by the bucket engine
+behind both front doors (:class:`sparsecomm.CompressedOptimizer` and
+:func:`sparsecomm.ddp_comm_hook`):
 
 - ``compress(grad, residual, world_size)``: local. Adds the error-feedback residual, picks
   what to send, and leaves in ``residual`` exactly what was not sent.
-- ``exchange(message, comm)``: collective. Sends the message, receives everyone's, and
-  returns ``(1 / W) * sum_r decode(message_r)``, added in rank order so that every rank
-  computes the same bits.
+- ``start(message, comm)``: collective, asynchronous. Starts sending the message and
+  receiving everyone's; returns an :class:`Exchange` in flight.
+- ``finish(exchange, out)``: waits for it and writes ``(1 / W) * sum_r decode(message_r)``
+  into ``out``, added in rank order so that every rank computes the same bits.
+
+``exchange(message, comm)`` does the last two at once.
 """
 
 from __future__ import annotations
@@ -62,6 +66,43 @@ class Message:
             self.count = int(self.count_tensor.item())
         return self.count
 
+    def nonfinite(self) -> torch.Tensor:
+        """A 0-dim bool device tensor: does this message carry a NaN or Inf? (No host
+        sync.) Every compressor sends a non-finite value whenever ``grad + residual`` holds
+        one (TopK and Threshold select NaN and Inf first; Cast and Dense send everything),
+        so this check of what is sent covers what is kept too."""
+        values = self.values if self.indices is None else self.values[: self.known_count()]
+        if values.numel() == 0:
+            return torch.zeros((), dtype=torch.bool, device=values.device)
+        return ~torch.isfinite(values).all()
+
+
+@dataclass
+class Exchange:
+    """One bucket's message in flight: the collectives started by ``Compressor.start``.
+
+    Attributes:
+        message: what this rank sent.
+        work: handle of the collective still running (``None`` once it is done).
+        result: the buffer the collective fills: the all-reduced values, or the
+            all-gathered ``[world_size, 2 * width]`` int32 payload of pairs (None on one
+            rank, where the message is its own result).
+        counts: pairs per rank (sparse messages), ``None`` when fixed or dense.
+        width: pairs per rank in the gathered payload (0 for a dense exchange).
+        nonfinite: 0-dim bool device tensor, this rank's message held NaN or Inf.
+    """
+
+    message: Message
+    work: object
+    result: torch.Tensor
+    comm: Communicator
+    counts: list[int] | None = None
+    width: int = 0
+    nonfinite: torch.Tensor | None = None
+    #: True when the exchange is an all-reduce of dense values (also a sparse message
+    #: that switched to dense because that moves fewer bytes).
+    dense: bool = False
+
 
 class Compressor:
     """Base class of the compressors; not used directly."""
@@ -74,8 +115,19 @@ class Compressor:
     ) -> Message:
         raise NotImplementedError
 
-    def exchange(self, message: Message, comm: Communicator) -> torch.Tensor:
+    def start(self, message: Message, comm: Communicator, check: bool = True) -> Exchange:
+        """Start the collectives. ``check``: also flag a non-finite message
+        (``Exchange.nonfinite``); without it the flag is None."""
         raise NotImplementedError
+
+    def finish(self, exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def exchange(self, message: Message, comm: Communicator) -> torch.Tensor:
+        """``start`` then ``finish`` into a new float32 tensor: the averaged gradient."""
+        pending = self.start(message, comm)
+        out = torch.empty(message.numel, dtype=torch.float32, device=message.values.device)
+        return self.finish(pending, out)
 
     def config(self) -> dict:
         """Plain-value description, compared across ranks and stored in checkpoints."""
@@ -97,10 +149,23 @@ def average_scale(world_size: int) -> float:
     return 1.0 / world_size
 
 
-def _all_reduce_mean(dense: torch.Tensor, comm: Communicator, message: Message) -> torch.Tensor:
+def _start_all_reduce(
+    dense: torch.Tensor, comm: Communicator, message: Message, check: bool
+) -> Exchange:
+    """Check ``dense`` (what this rank sends) and start summing it in place over the ranks."""
     message.wire_bytes = dense.numel() * dense.element_size()
-    comm.all_reduce_(dense)
-    return dense.mul_(average_scale(comm.world_size))
+    # Before the sum overwrites this rank's values.
+    nonfinite = message.nonfinite() if check else None
+    work = comm.start_all_reduce_(dense)
+    return Exchange(message, work, dense, comm, nonfinite=nonfinite, dense=True)
+
+
+def _finish_mean(exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
+    """``out = sum / W`` of a started fp32 all-reduce (``out`` may be the summed buffer)."""
+    exchange.comm.wait(exchange.work)
+    if exchange.comm.world_size == 1:  # x * 1.0 is x: skip the pass
+        return out if out is exchange.result else out.copy_(exchange.result)
+    return torch.mul(exchange.result, average_scale(exchange.comm.world_size), out=out)
 
 
 class Dense(Compressor):
@@ -118,8 +183,11 @@ class Dense(Compressor):
     def compress(self, grad, residual, world_size):
         return Message(numel=grad.numel(), values=grad)
 
-    def exchange(self, message, comm):
-        return _all_reduce_mean(message.values, comm, message)
+    def start(self, message, comm, check=True):
+        return _start_all_reduce(message.values, comm, message, check)
+
+    def finish(self, exchange, out):
+        return _finish_mean(exchange, out)
 
 
 class Cast(Compressor):
@@ -166,11 +234,14 @@ class Cast(Compressor):
         half = _ops.cast_compress(grad, residual, self.dtype, scale)
         return Message(numel=grad.numel(), values=half, scale=scale)
 
-    def exchange(self, message, comm):
-        message.wire_bytes = message.values.numel() * message.values.element_size()
-        summed = comm.all_reduce_(message.values)
+    def start(self, message, comm, check=True):
+        return _start_all_reduce(message.values, comm, message, check)
+
+    def finish(self, exchange, out):
+        exchange.comm.wait(exchange.work)
         # sum_r half_r / scale / W, as one float factor so every rank rounds alike.
-        return summed.float().mul_(1.0 / (message.scale * comm.world_size))
+        out.copy_(exchange.result)
+        return out.mul_(1.0 / (exchange.message.scale * exchange.comm.world_size))
 
 
 def _require_real(value, where: str, example: str) -> None:
@@ -184,37 +255,50 @@ def _require_real(value, where: str, example: str) -> None:
 class _Sparse(Compressor):
     """Shared exchange of (index, value) messages: all-gather, then deterministic sum."""
 
-    def exchange(self, message, comm):
+    def start(self, message, comm, check=True):
         world_size, numel = comm.world_size, message.numel
-        if world_size == 1:
+        if world_size == 1:  # nothing to send: finish() reads the message itself
             count = message.known_count()
             message.wire_bytes = count * PAIR_BYTES
-            return _ops.scatter_add(
-                message.indices[:count].unsqueeze(0),
-                message.values[:count].unsqueeze(0),
-                None,
-                numel,
-                1.0,
-            )
+            return Exchange(
+                message, None, None, comm, width=count,
+                nonfinite=message.nonfinite() if check else None,
+            )  # fmt: skip
         counts = self._gather_counts(message, comm)
         width = max(counts)
         # An all-gather of `width` pairs from each rank moves (W-1) * width * 8 bytes per
         # rank; a ring all-reduce of the dense bucket 2 (W-1) / W * 4 * numel. All ranks
         # know every count, so they all switch to dense together.
         if width * world_size >= numel:
-            return _all_reduce_mean(message.decode(), comm, message)
+            return _start_all_reduce(message.decode(), comm, message, check)
         if message.known_count() == width:
             payload = torch.cat([message.indices[:width], message.values[:width].view(torch.int32)])
         else:
             payload = _pad_pairs(message, width)
         message.wire_bytes = width * PAIR_BYTES
-        gathered = comm.all_gather(payload)
-        indices = gathered[:, :width].contiguous()
-        values = gathered[:, width:].contiguous().view(torch.float32)
+        gathered, work = comm.start_all_gather(payload)
         fixed = all(c == width for c in counts)
+        return Exchange(
+            message, work, gathered, comm, counts=None if fixed else counts, width=width,
+            nonfinite=message.nonfinite() if check else None,
+        )  # fmt: skip
+
+    def finish(self, exchange, out):
+        if exchange.dense:  # switched to a dense all-reduce
+            return _finish_mean(exchange, out)
+        exchange.comm.wait(exchange.work)
+        width, gathered = exchange.width, exchange.result
+        if gathered is None:
+            indices = exchange.message.indices[:width].unsqueeze(0)
+            values = exchange.message.values[:width].unsqueeze(0)
+        else:
+            indices = gathered[:, :width].contiguous()
+            values = gathered[:, width:].contiguous().view(torch.float32)
+        world_size = exchange.comm.world_size
         return _ops.scatter_add(
-            indices, values, None if fixed else counts, numel, average_scale(world_size)
-        )
+            indices, values, exchange.counts, exchange.message.numel,
+            average_scale(world_size), out=out,
+        )  # fmt: skip
 
     def _gather_counts(self, message: Message, comm: Communicator) -> list[int]:
         raise NotImplementedError
@@ -296,7 +380,9 @@ class TopK(_Sparse):
 
     def k_for(self, numel: int) -> int:
         """``ceil(density * numel)``, with density read as the decimal it was written as
-        (so 0.07 of 100 is 7, not 8), and at least 1."""
+        (so 0.07 of 100 is 7, not 8), and at least 1 (0 of an empty bucket)."""
+        if numel == 0:
+            return 0
         exact = Fraction(repr(self.density)) * numel
         return max(1, min(numel, math.ceil(exact)))
 

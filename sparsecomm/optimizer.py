@@ -1,18 +1,25 @@
-"""``CompressedOptimizer``: compress, exchange and average gradients inside ``step()``."""
+"""``CompressedOptimizer``: compressed, averaged gradients for any ``torch.optim`` optimizer.
+
+The exchange runs in the bucket engine (``_engine.py``): gradients are sent bucket by
+bucket while backward still runs, and ``step()`` (or the end of backward) finishes it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import math
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
-from ._buckets import Bucket, build_buckets
 from ._comm import Communicator
+from ._engine import BucketEngine, build_buckets, cap_numel
 from ._stats import StepStats
-from .compressors import DENSE_ELEMENT_BYTES, Compressor, Dense
+from .compressors import DENSE_ELEMENT_BYTES, Compressor
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
 
@@ -23,6 +30,7 @@ _KEYWORDS = (
     "process_group",
     "bucket_cap_mb",
     "min_compress_numel",
+    "overlap",
     "profile",
 )
 
@@ -54,16 +62,18 @@ class NonFiniteGradientError(RuntimeError):
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
-    """Wrap a ``torch.optim`` optimizer so that ``step()`` averages compressed gradients over
-    the ranks of a process group before the wrapped optimizer steps.
+    """Wrap a ``torch.optim`` optimizer so that each step uses the gradients averaged, in
+    compressed form, over the ranks of a process group.
 
     Use it instead of ``DistributedDataParallel`` (not on top of it): build the same model on
-    every rank, wrap its optimizer, and train as usual. Inside ``step()`` each rank packs its
-    gradients into flat float32 buckets, adds its error-feedback residual, compresses, keeps
-    what it did not send as the new residual, exchanges messages, and writes the average into
-    ``p.grad``; then the wrapped optimizer steps. ``param_groups`` is the wrapped optimizer's
-    own list, so learning-rate schedulers, ``zero_grad`` and ``torch.amp.GradScaler`` work
-    as usual.
+    every rank, wrap its optimizer, and train as usual. Gradients are packed into flat
+    float32 buckets; as soon as backward has produced a bucket's gradients, each rank adds
+    its error-feedback residual, compresses, keeps what it did not send as the new
+    residual, and starts the bucket's collective, while backward goes on. When backward
+    ends, the averages are in ``p.grad`` (as under DDP, so gradient clipping sees the
+    average); ``step()`` then steps the wrapped optimizer. ``param_groups`` is the wrapped
+    optimizer's own list, so learning-rate schedulers, ``zero_grad`` and
+    ``torch.amp.GradScaler`` work as usual.
 
     Args:
         optimizer: the ``torch.optim.Optimizer`` to wrap.
@@ -73,12 +83,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             (default True). Without it, unsent gradient is dropped.
         process_group: the group to average over; ``None`` for the default group. Without
             an initialized process group everything runs locally.
-        bucket_cap_mb: largest bucket, in MiB of float32 (default 25).
+        bucket_cap_mb: largest bucket, in MiB of float32 (default 25; ``float("inf")``:
+            no cap).
         min_compress_numel: parameters with fewer elements travel dense, uncompressed, in
             buckets of their own (default 1024: biases and norms are cheap to send whole,
             and a sparse index costs as much as a value).
+        overlap: send buckets during backward (default True). The first step, steps
+            under ``torch.amp.GradScaler``, and ``overlap=False`` exchange inside
+            ``step()`` instead, from ``p.grad`` as it is then.
         profile: time compression, communication and aggregation in ``last_stats``
-            (synchronizes the device, so off by default).
+            (synchronizes the device and runs each collective to completion, so it hides
+            no communication behind backward; off by default).
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -89,9 +104,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         >>> opt.step(); opt.zero_grad()
 
     Warning:
-        Construction, ``step()`` and ``add_param_group()`` are collective: every rank of the
-        group must call them, in the same order. ``state_dict()`` is per rank (residuals
-        differ by rank): save one file per rank.
+        Construction, ``backward()`` of the model, ``step()``, ``synchronize()`` and
+        ``add_param_group()`` are collective: every rank of the group must call them, in
+        the same order. An error that one rank finds in its arguments is raised on every
+        rank. ``state_dict()`` is per rank (residuals differ by rank): save one file per
+        rank.
     """
 
     # Lets GradScaler hand itself to step(), so that all ranks agree on skipping a step.
@@ -106,19 +123,25 @@ class CompressedOptimizer(torch.optim.Optimizer):
         process_group: Any = None,
         bucket_cap_mb: float = 25,
         min_compress_numel: int = 1024,
+        overlap: bool = True,
         profile: bool = False,
         **unexpected: Any,
     ):
-        _check_arguments(
-            optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel, unexpected
-        )
+        self._comm = Communicator(process_group)
+        self._raise_agreed(
+            _check_arguments(
+                optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel,
+                overlap, unexpected,
+            )
+        )  # fmt: skip
         self.optimizer = optimizer
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.bucket_cap_mb = bucket_cap_mb
         self.min_compress_numel = int(min_compress_numel)
+        self.overlap = bool(overlap)
         self.profile = bool(profile)
-        self._comm = Communicator(process_group)
+        self._comm.timed = self.profile
         self._ready = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # Share, not copy: a scheduler that changes a learning rate here changes it there.
@@ -126,13 +149,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._ready = True
 
-        self._params = self._all_params()
-        self._agree_on_model(self._params, start=0)
+        params = self._all_params()
+        self._raise_agreed(_check_params(params, start=0))
+        self._agree_on_model(params, start=0)
+        self._params = params
         for param in self._params:
             self._comm.broadcast_from_first_(param.data)
-        self._buckets = self._build_buckets()
+        self._engine = self._build_engine()
         self.last_stats = StepStats()
         self.total_stats = StepStats()
+
+        # Backward hooks send buckets while backward runs. They start working after the
+        # first step, once step() has shown whether a GradScaler scales the gradients.
+        self._overlapping = False
+        self._scaler_seen = False
+        self._sync_enabled = True
+        self._callback_queued = False
+        self._synchronized = False  # this step's exchange is done, step() only steps
+        self._bad_ranks: list[int] = []
+        self._step_stats = StepStats()
+        self._hooks: list = []
+        self._register_hooks(self._params)
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # ------------------------------------------------------------------ public API
 
@@ -147,20 +185,55 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def residual(self, param: torch.Tensor) -> torch.Tensor:
         """What ``param``'s gradient has not sent yet: a float32 tensor shaped like ``param``
         (a copy; zeros when the parameter keeps no residual)."""
-        for bucket in self._buckets:
-            for _, member, span in bucket.slices():
-                if member is param:
-                    if bucket.residual is None:
-                        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                    return bucket.residual[span].view(param.shape).clone()
-        raise ValueError(
-            "residual(param): this tensor is not a parameter of the wrapped optimizer (or "
-            "does not require grad); pass one of the tensors in opt.param_groups"
-        )
+        entry = self._engine.member_of.get(id(param))
+        if entry is None:
+            raise ValueError(
+                "residual(param): this tensor is not a parameter of the wrapped optimizer (or "
+                "does not require grad); pass one of the tensors in opt.param_groups"
+            )
+        bucket, member = entry
+        if bucket.residual is None:
+            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        return bucket.view(bucket.residual, member).clone()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without exchanging them, for the backward passes
+        run inside this context (gradient accumulation, as ``DistributedDataParallel.no_sync``).
+        The exchange happens on the first backward outside it, with the accumulated sum.
+
+        Example:
+            >>> for i, batch in enumerate(micro_batches):
+            ...     context = opt.no_sync() if i < len(micro_batches) - 1 else nullcontext()
+            ...     with context:
+            ...         loss_fn(model(batch)).backward()
+            >>> opt.step(); opt.zero_grad()
+        """
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Finish this step's exchange now: afterwards ``p.grad`` holds the average, and
+        ``step()`` only steps the wrapped optimizer. Backward already does this when it
+        sends buckets itself; call it where it does not (the first step, ``overlap=False``,
+        gradients assigned by hand) before you read or change ``p.grad``, e.g. to clip.
+
+        Collective: every rank must call it. Raises :class:`NonFiniteGradientError` as
+        ``step()`` does (the step is then dropped on every rank)."""
+        self._synchronize(grad_scaler=None)
+        if self._bad_ranks:
+            bad_ranks = self._bad_ranks
+            self._finish_step(skipped=True)
+            raise NonFiniteGradientError(bad_ranks)
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
-        """Average the gradients over all ranks, compressed, then step the wrapped optimizer.
+        """Average the gradients over all ranks, compressed (unless backward already did),
+        then step the wrapped optimizer.
 
         Collective: every rank must call it. If any rank's gradient holds NaN or Inf, every
         rank raises :class:`NonFiniteGradientError` and nothing changes; under
@@ -175,46 +248,54 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = self._unscale(grad_scaler) if grad_scaler is not None else []
-
-        self._comm.timed, self._comm.seconds = self.profile, 0.0
-        grads = [bucket.gather_grads() for bucket in self._buckets]
-        bad_ranks, used = self._agree_on_step(grads)
-        agreement_seconds = self._comm.seconds
-        stats = StepStats(steps=1, elements=sum(b.numel for b in self._buckets))
-        stats.dense_bytes = DENSE_ELEMENT_BYTES * stats.elements
-        for flag in found_inf:
-            flag.fill_(1.0 if bad_ranks else 0.0)
-        if bad_ranks:
+        if grad_scaler is not None:
+            self._scaler_seen = True
+            if self._synchronized and self._step_stats.steps:
+                # Sent during backward, before this scaler was known: in scaled units.
+                self._finish_step(skipped=True)
+                self._overlapping = False
+                raise RuntimeError(
+                    "torch.amp.GradScaler was first used after the first step, while "
+                    "gradients were already being sent during backward in scaled units. "
+                    "Use the scaler from the first step on, or construct "
+                    "CompressedOptimizer(..., overlap=False)"
+                )
+            self._overlapping = False
+        self._synchronize(grad_scaler)
+        if self._bad_ranks:
+            bad_ranks = self._bad_ranks
+            self._finish_step(skipped=True)
             if grad_scaler is None:
                 raise NonFiniteGradientError(bad_ranks)
-            stats.skipped_steps = 1
-            self._record(stats)
             return loss
-
-        for bucket, grad in zip(self._buckets, grads):
-            self._exchange_bucket(bucket, grad, used, stats)
-        stats.communicate_seconds = self._comm.seconds
-        stats.aggregate_seconds -= self._comm.seconds - agreement_seconds
-        self._record(stats)
+        self._finish_step(skipped=False)
         self.optimizer.step()
+        self._overlapping = self.overlap and not self._scaler_seen
         return loss
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must call
-        it with the same parameters). Residuals of the existing parameters are kept."""
+        it with the same parameters). Residuals of the existing parameters are kept. The
+        group is checked on every rank first; if it is refused anywhere, it is refused
+        everywhere and nothing changes."""
         if not self._ready:  # called by torch.optim.Optimizer.__init__ for existing groups
             super().add_param_group(param_group)
             return
         start = len(self._params)
-        self.optimizer.add_param_group(param_group)
+        new_params, error = _group_params(param_group, self._params)
+        if error is None:
+            error = _check_params(new_params, start)
+        self._raise_agreed(error)
+        self._agree_on_model(new_params, start=start)
+        residuals = self._residuals_by_position()
+        # The list, not the caller's iterator, which reading it has used up.
+        self.optimizer.add_param_group({**param_group, "params": new_params})
         self._params = self._all_params()
-        self._agree_on_model(self._params[start:], start=start)
         for param in self._params[start:]:
             self._comm.broadcast_from_first_(param.data)
-        residuals = self._residuals_by_position()
-        self._buckets = self._build_buckets()
+        self._engine = self._build_engine()
         self._load_residuals(residuals)
+        self._register_hooks(self._params[start:])
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and this rank's residuals, as tensors and plain
@@ -228,6 +309,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "rank": self.rank,
                 "compressor": self.compressor.config(),
                 "error_feedback": self.error_feedback,
+                "min_compress_numel": self.min_compress_numel,
                 "shapes": [list(p.shape) for p in self._params],
                 "residuals": self._residuals_by_position(),
                 "total_stats": self.total_stats.as_dict(),
@@ -235,96 +317,211 @@ class CompressedOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict()`` saved by this rank. Raises ``ValueError`` if it was saved
-        with another world size, by another rank, or for other parameters."""
-        if not isinstance(state_dict, dict) or "sparsecomm" not in state_dict:
-            raise ValueError(
-                "load_state_dict: this is not a CompressedOptimizer.state_dict() (no "
-                "'sparsecomm' section); to load a plain optimizer's state, call "
-                "opt.optimizer.load_state_dict(state_dict)"
-            )
-        ours = state_dict["sparsecomm"]
-        if ours.get("format") != _STATE_FORMAT:
-            raise ValueError(f"load_state_dict: unknown state format {ours.get('format')!r}")
-        if ours["world_size"] != self.world_size:
-            raise ValueError(
-                f"load_state_dict: saved with world_size={ours['world_size']}, loading with "
-                f"world_size={self.world_size}. Residuals belong to ranks, so this checkpoint "
-                "resumes only on the same world size; to continue on another one without "
-                "residuals, call opt.optimizer.load_state_dict(state_dict['optimizer'])"
-            )
-        if ours["rank"] != self.rank:
-            raise ValueError(
-                f"load_state_dict: saved by rank {ours['rank']}, loading on rank {self.rank}; "
-                "each rank must load the file it saved"
-            )
-        shapes = [list(p.shape) for p in self._params]
-        if ours["shapes"] != shapes:
-            raise ValueError("load_state_dict: " + _first_difference(ours["shapes"], shapes))
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        """Load a ``state_dict()`` saved by this rank. Everything is checked first: a state
+        saved with another world size, by another rank, with another compressor or
+        error-feedback setting, or for other parameters, or residuals of the wrong shape,
+        dtype or with NaN/Inf, raise ``ValueError`` naming what differs, and nothing is
+        changed."""
+        ours = self._check_state(state_dict)
+        self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
         # torch.optim.Optimizer.load_state_dict builds new group and state containers.
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self._load_residuals(ours["residuals"])
-        self.total_stats = StepStats(
-            **{k: v for k, v in ours.get("total_stats", {}).items() if k != "density"}
-        )
+        fields = StepStats.__dataclass_fields__
+        saved_stats = ours.get("total_stats", {})
+        self.total_stats = StepStats(**{k: v for k, v in saved_stats.items() if k in fields})
 
     def __repr__(self) -> str:
         return (
             f"CompressedOptimizer({self.optimizer.__class__.__name__}, "
             f"compressor={self.compressor!r}, error_feedback={self.error_feedback}, "
-            f"world_size={self.world_size}, buckets={len(self._buckets)})"
+            f"world_size={self.world_size}, buckets={len(self._engine.buckets)})"
         )
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """Backward hook: ``param.grad`` is complete for this backward pass."""
+        if not (self._overlapping and self._sync_enabled):
+            return
+        owner = getattr(param, "_sparsecomm_owner", None)
+        if owner is None or owner() is not self:
+            return  # a newer CompressedOptimizer wraps this parameter now
+        if self._synchronized:
+            raise RuntimeError(
+                "backward ran again after this step's gradients were exchanged and before "
+                "step(). To accumulate gradients over several backward passes, run all but "
+                "the last inside `with opt.no_sync():`"
+            )
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        with torch.no_grad():
+            self._engine.fill_from_hook(param)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        with torch.no_grad():
+            self._synchronize(grad_scaler=None)
+
+    def _synchronize(self, grad_scaler) -> None:
+        """Launch what has not been launched, agree across ranks on non-finite values and
+        on which parameters had gradients (one small all-reduce, one host sync), then
+        finish (or drop) the exchange."""
+        if self._synchronized:
+            return
+        found_inf = self._unscale(grad_scaler) if grad_scaler is not None else []
+        engine = self._engine
+        engine.launch_all()
+        stats = self._sent_stats()
+        bad_ranks, used = self._agree_on_step(engine.nonfinite_flag(), engine.local_used(len(self._params)))
+        for flag in found_inf:
+            flag.fill_(1.0 if bad_ranks else 0.0)
+        if bad_ranks:
+            engine.abandon()
+        else:
+            started, comm_before = self._clock(), self._comm.seconds
+            engine.finish(used)
+            finished = self._clock()
+            stats.aggregate_seconds = finished - started - (self._comm.seconds - comm_before)
+        stats.compress_seconds = engine.compress_seconds
+        stats.communicate_seconds = self._comm.seconds
+        self._bad_ranks = bad_ranks
+        self._step_stats = stats
+        self._synchronized = True
+
+    def _finish_step(self, skipped: bool) -> None:
+        stats = self._step_stats
+        if skipped:
+            stats.skipped_steps = 1
+        self.last_stats = stats
+        self.total_stats = self.total_stats + stats
+        self._synchronized = False
+        self._bad_ranks = []
+        self._step_stats = StepStats()
+        self._engine.compress_seconds = 0.0
+        self._comm.seconds = 0.0
+
+    def _sent_stats(self) -> StepStats:
+        stats = StepStats(steps=1, elements=sum(b.numel for b in self._engine.buckets))
+        stats.dense_bytes = DENSE_ELEMENT_BYTES * stats.elements
+        for bucket in self._engine.buckets:
+            exchange = bucket.exchange
+            stats.bytes_sent += exchange.message.wire_bytes
+            if exchange.dense:
+                stats.elements_sent += exchange.message.numel
+            else:
+                stats.elements_sent += exchange.message.known_count()
+        return stats
+
+    def _agree_on_step(
+        self, nonfinite: torch.Tensor | None, used_here: list[bool]
+    ) -> tuple[list[int], list[bool]]:
+        """One small all-reduce: which ranks sent a non-finite value, and which parameters
+        had a gradient on some rank. Every rank gets the same answer."""
+        world_size = self.world_size
+        device = nonfinite.device if nonfinite is not None else torch.device("cpu")
+        flags = torch.zeros(world_size + len(used_here), device=device)
+        if nonfinite is not None:
+            flags[self.rank] = nonfinite.float()
+        used = torch.tensor(used_here, dtype=torch.float32)
+        if device.type == "cuda":
+            used = used.pin_memory()  # so the copy does not wait for the device
+        flags[world_size:] = used.to(device, non_blocking=True)
+        flags = self._comm.all_reduce_(flags, op="max").tolist()  # the step's one host sync
+        bad_ranks = [r for r in range(world_size) if flags[r] > 0]
+        return bad_ranks, [f > 0 for f in flags[world_size:]]
+
+    def _unscale(self, grad_scaler) -> list[torch.Tensor]:
+        """Unscale the gradients with ``grad_scaler`` (unless the user already did) and return
+        its per-device found-inf flags, which step() then sets to the all-rank verdict."""
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if not state["found_inf_per_device"]:
+            grad_scaler.unscale_(self)
+        return list(state["found_inf_per_device"].values())
+
+    def _clock(self) -> float:
+        if not self.profile:
+            return 0.0
+        for bucket in self._engine.buckets:
+            if bucket.device.type == "cuda":
+                torch.cuda.synchronize(bucket.device)
+                break
+        return time.perf_counter()
 
     # ------------------------------------------------------------------ internals
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _build_buckets(self) -> list[Bucket]:
-        return build_buckets(
+    def _build_engine(self) -> BucketEngine:
+        buckets = build_buckets(
             self._params,
-            cap_numel=max(1, int(self.bucket_cap_mb * 2**20) // DENSE_ELEMENT_BYTES),
+            cap_numel=cap_numel(self.bucket_cap_mb, DENSE_ELEMENT_BYTES),
             min_compress_numel=self.min_compress_numel,
             keep_residual=self.error_feedback and self.compressor.keeps_residual,
         )
+        return BucketEngine(buckets, self.compressor, self._comm)
+
+    def _register_hooks(self, params: list[torch.Tensor]) -> None:
+        me = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            opt = me()
+            if opt is not None:
+                opt._on_gradient(param)
+
+        for param in params:
+            if param.requires_grad:
+                param._sparsecomm_owner = me
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _residuals_by_position(self) -> list[torch.Tensor | None]:
         residuals: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket in self._buckets:
+        for bucket in self._engine.buckets:
             if bucket.residual is None:
                 continue
-            for position, param, span in bucket.slices():
-                residuals[position] = bucket.residual[span].view(param.shape).clone()
+            for member, position in enumerate(bucket.positions):
+                residuals[position] = bucket.view(bucket.residual, member).clone()
         return residuals
 
     def _load_residuals(self, residuals: list[torch.Tensor | None]) -> None:
-        for bucket in self._buckets:
+        for bucket in self._engine.buckets:
             if bucket.residual is None:
                 continue
-            for position, _, span in bucket.slices():
+            for member, position in enumerate(bucket.positions):
                 saved = residuals[position] if position < len(residuals) else None
+                target = bucket.residual[bucket.span(member)]
                 if saved is None:
-                    bucket.residual[span].zero_()
+                    target.zero_()
                 else:
-                    bucket.residual[span].copy_(saved.reshape(-1))
+                    target.copy_(saved.reshape(-1))
+
+    def _raise_agreed(self, error: Exception | None) -> None:
+        """Raise ``error`` on every rank if any rank has one (the first such rank's, so
+        every rank raises the same). Collective."""
+        if not self._comm.distributed:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else (type(error).__name__, str(error))
+        everyone = self._comm.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs is not None:
+                kind = {"TypeError": TypeError}.get(theirs[0], ValueError)
+                raise kind(f"on rank {rank}: {theirs[1]}")
 
     def _agree_on_model(self, params: list[torch.Tensor], start: int) -> None:
         """Check that every rank wraps the same parameters and settings; raise the same
         ValueError on every rank if not."""
-        for offset, param in enumerate(params):
-            if not param.is_floating_point() or param.dtype == torch.float64:
-                raise TypeError(
-                    f"parameter {start + offset} has dtype {param.dtype}; sparsecomm "
-                    "exchanges float32, float16 and bfloat16 parameters only"
-                )
         mine = {
             "settings": [
                 self.compressor.config(),
                 self.error_feedback,
                 self.bucket_cap_mb,
                 self.min_compress_numel,
+                self.overlap,
             ],
             "params": [
                 [list(p.shape), str(p.dtype), p.requires_grad, p.device.type] for p in params
@@ -337,8 +534,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"ranks disagree on settings: rank 0 has {first['settings']}, rank {rank} "
                     f"has {theirs['settings']} ([compressor, error_feedback, bucket_cap_mb, "
-                    "min_compress_numel]); construct CompressedOptimizer with the same "
-                    "arguments on every rank"
+                    "min_compress_numel, overlap]); construct CompressedOptimizer with the "
+                    "same arguments on every rank"
                 )
             if theirs["params"] != first["params"]:
                 detail = _first_difference(first["params"], theirs["params"], start, rank)
@@ -347,68 +544,98 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     "same model and pass its parameters in the same order"
                 )
 
-    def _agree_on_step(self, grads: list[torch.Tensor]) -> tuple[list[int], list[bool]]:
-        """One small all-reduce: which ranks saw a non-finite gradient, and which parameters
-        had a gradient on some rank. Every rank gets the same answer."""
-        world_size = self.world_size
-        device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flags = torch.zeros(world_size + len(self._params), device=device)
-        if grads:
-            finite = torch.stack([torch.isfinite(g).all().to(device) for g in grads]).all()
-            flags[self.rank] = (~finite).float()
-        has_grad = [p.grad is not None for p in self._params]
-        flags[world_size:] = torch.tensor(has_grad, dtype=torch.float32).to(device)
-        flags = self._comm.all_reduce_(flags, op="max").tolist()
-        bad_ranks = [r for r in range(world_size) if flags[r] > 0]
-        used = [f > 0 for f in flags[world_size:]]
-        return bad_ranks, used
+    def _check_state(self, state_dict: Any) -> dict:
+        """Validate a state dict completely before anything is loaded; return its
+        sparsecomm section."""
 
-    def _unscale(self, grad_scaler) -> list[torch.Tensor]:
-        """Unscale the gradients with ``grad_scaler`` (unless the user already did) and return
-        its per-device found-inf flags, which step() then sets to the all-rank verdict."""
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if not state["found_inf_per_device"]:
-            grad_scaler.unscale_(self)
-        return list(state["found_inf_per_device"].values())
+        def refuse(what: str) -> ValueError:
+            return ValueError(f"load_state_dict: {what}")
 
-    def _exchange_bucket(
-        self, bucket: Bucket, grad: torch.Tensor, used: list[bool], stats: StepStats
-    ) -> None:
-        compressor = self.compressor if bucket.compressed else _DENSE
-        # Residual slices of parameters nobody had a gradient for are put back afterwards:
-        # their average is discarded (grad stays None), so what they sent must not be lost.
-        unused = [
-            (span, bucket.residual[span].clone())
-            for position, _, span in bucket.slices()
-            if not used[position] and bucket.residual is not None
-        ]
-        started = self._clock()
-        message = compressor.compress(grad, bucket.residual, self.world_size)
-        compressed = self._clock()
-        average = compressor.exchange(message, self._comm)
-        exchanged = self._clock()
-        for span, saved in unused:
-            bucket.residual[span].copy_(saved)
-        bucket.scatter_grads(average, used)
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("sparsecomm"), dict):
+            raise refuse(
+                "this is not a CompressedOptimizer.state_dict() (no 'sparsecomm' section); "
+                "to load a plain optimizer's state, call opt.optimizer.load_state_dict(state)"
+            )
+        if not isinstance(state_dict.get("optimizer"), dict):
+            raise refuse("the 'optimizer' section (the wrapped optimizer's state) is missing")
+        ours = state_dict["sparsecomm"]
+        missing = [
+            key
+            for key in ("format", "world_size", "rank", "compressor", "error_feedback",
+                        "shapes", "residuals")
+            if key not in ours
+        ]  # fmt: skip
+        if missing:
+            raise refuse(f"the 'sparsecomm' section lacks {missing}; it is not a saved state")
+        if ours["format"] != _STATE_FORMAT:
+            raise refuse(f"unknown state format {ours['format']!r}")
+        if ours["world_size"] != self.world_size:
+            raise refuse(
+                f"saved with world_size={ours['world_size']}, loading with "
+                f"world_size={self.world_size}. Residuals belong to ranks, so this checkpoint "
+                "resumes only on the same world size; to continue on another one without "
+                "residuals, call opt.optimizer.load_state_dict(state_dict['optimizer'])"
+            )
+        if ours["rank"] != self.rank:
+            raise refuse(
+                f"saved by rank {ours['rank']}, loading on rank {self.rank}; each rank must "
+                "load the file it saved"
+            )
+        if ours["compressor"] != self.compressor.config():
+            raise refuse(
+                f"saved with compressor {ours['compressor']}, this optimizer uses "
+                f"{self.compressor.config()}; construct it with the compressor it was saved "
+                "with, or load only opt.optimizer.load_state_dict(state_dict['optimizer'])"
+            )
+        if ours["error_feedback"] != self.error_feedback:
+            raise refuse(
+                f"saved with error_feedback={ours['error_feedback']}, this optimizer has "
+                f"error_feedback={self.error_feedback}"
+            )
+        saved_min = ours.get("min_compress_numel", self.min_compress_numel)
+        if saved_min != self.min_compress_numel:
+            raise refuse(
+                f"saved with min_compress_numel={saved_min}, this optimizer has "
+                f"min_compress_numel={self.min_compress_numel}"
+            )
+        shapes = [list(p.shape) for p in self._params]
+        if ours["shapes"] != shapes:
+            raise refuse(_first_difference(ours["shapes"], shapes))
+        residuals = ours["residuals"]
+        if not isinstance(residuals, (list, tuple)) or len(residuals) != len(self._params):
+            count = len(residuals) if isinstance(residuals, (list, tuple)) else type(residuals)
+            raise refuse(
+                f"'residuals' must be a list of {len(self._params)} entries (one per "
+                f"parameter), got {count}"
+            )
+        kept = self._residuals_by_position()
+        for position, (saved, param) in enumerate(zip(residuals, self._params)):
+            if saved is None:
+                continue
+            if not torch.is_tensor(saved):
+                raise refuse(f"residual {position} is a {type(saved).__name__}, not a tensor")
+            if kept[position] is None:
+                raise refuse(
+                    f"residual {position} is saved, but this optimizer keeps none for that "
+                    "parameter"
+                )
+            if saved.dtype != torch.float32 or list(saved.shape) != list(param.shape):
+                raise refuse(
+                    f"residual {position} is {str(saved.dtype).replace('torch.', '')} "
+                    f"{tuple(saved.shape)}; expected float32 {tuple(param.shape)}"
+                )
+            if not bool(torch.isfinite(saved).all()):
+                raise refuse(
+                    f"residual {position} holds NaN or Inf; the checkpoint is corrupt. Load "
+                    "only opt.optimizer.load_state_dict(state_dict['optimizer']) to start "
+                    "with empty residuals"
+                )
+        return ours
 
-        stats.bytes_sent += message.wire_bytes
-        stats.elements_sent += bucket.numel if message.indices is None else message.known_count()
-        stats.compress_seconds += compressed - started
-        stats.aggregate_seconds += exchanged - compressed  # step() takes the collectives out
 
-    def _clock(self) -> float:
-        if not self.profile:
-            return 0.0
-        if self._buckets and self._buckets[0].device.type == "cuda":
-            torch.cuda.synchronize(self._buckets[0].device)
-        return time.perf_counter()
-
-    def _record(self, stats: StepStats) -> None:
-        self.last_stats = stats
-        self.total_stats = self.total_stats + stats
-
-
-_DENSE = Dense()
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _first_difference(first: list, other: list, start: int = 0, rank: int | None = None) -> str:
@@ -432,49 +659,90 @@ def _describe(entry) -> str:
     return f"shape {tuple(entry)}"
 
 
+def _check_params(params: list, start: int) -> Exception | None:
+    """The first parameter sparsecomm cannot exchange, as an error naming the fix."""
+    for offset, param in enumerate(params):
+        where = f"parameter {start + offset}"
+        if not isinstance(param, torch.Tensor):
+            return TypeError(f"{where} is a {type(param).__name__}, not a tensor")
+        if not param.is_floating_point() or param.dtype == torch.float64:
+            return TypeError(
+                f"{where} has dtype {param.dtype}; sparsecomm exchanges float32, float16 and "
+                "bfloat16 parameters only: convert the model (e.g. model.float()) first"
+            )
+        if param.device.type == "meta":
+            return ValueError(
+                f"{where} {tuple(param.shape)} is on the meta device, which holds no data; "
+                "materialize the model first (e.g. model.to_empty(device=...) and initialize "
+                "it) and then wrap its optimizer"
+            )
+    return None
+
+
+def _group_params(param_group: Any, existing: list) -> tuple[list, Exception | None]:
+    """The parameters of a group for add_param_group, or the error torch would raise."""
+    if not isinstance(param_group, dict) or "params" not in param_group:
+        return [], TypeError(
+            f"add_param_group takes a dict with a 'params' entry, got {param_group!r}"
+        )
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    known = {id(p) for p in existing}
+    for offset, param in enumerate(params):
+        if id(param) in known:
+            return params, ValueError(
+                f"add_param_group: parameter {offset} of the new group is already in a group; "
+                "each parameter can be in one group only"
+            )
+    return params, None
+
+
 def _check_arguments(
-    optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel, unexpected
-) -> None:
-    """Raise TypeError/ValueError for bad constructor arguments, naming the fix."""
+    optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel, overlap, unexpected
+) -> Exception | None:
+    """The first bad constructor argument, as a TypeError/ValueError naming the fix."""
     for name in unexpected:
         close = difflib.get_close_matches(name, _KEYWORDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TypeError(
+        return TypeError(
             f"CompressedOptimizer got an unexpected keyword argument {name!r}; {hint}"
             f"valid keywords are {', '.join(_KEYWORDS)}"
         )
     if isinstance(optimizer, CompressedOptimizer):
-        raise TypeError(
+        return TypeError(
             "optimizer is already a CompressedOptimizer; wrap the plain torch.optim optimizer once"
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        return TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
             "pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
         )
     if not isinstance(compressor, Compressor):
-        raise TypeError(
+        return TypeError(
             f"compressor must be a sparsecomm compressor, got {compressor!r}; use "
             "sparsecomm.Dense(), Cast(torch.float16), Cast(torch.bfloat16), Threshold(t) or "
             "TopK(density)"
         )
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+    for name, value in (("error_feedback", error_feedback), ("overlap", overlap)):
+        if not isinstance(value, bool):
+            return TypeError(f"{name} must be True or False, got {value!r}")
     if (
         isinstance(bucket_cap_mb, bool)
         or not isinstance(bucket_cap_mb, (int, float))
+        or math.isnan(bucket_cap_mb)
         or not bucket_cap_mb > 0
     ):
-        raise ValueError(
-            f"bucket_cap_mb must be a number > 0 (MiB of float32 per bucket), got "
-            f"{bucket_cap_mb!r}; the default is 25"
+        return ValueError(
+            f"bucket_cap_mb must be a number > 0 (MiB of float32 per bucket; float('inf') "
+            f"for no cap), got {bucket_cap_mb!r}; the default is 25"
         )
     if (
         isinstance(min_compress_numel, bool)
         or not isinstance(min_compress_numel, int)
         or min_compress_numel < 0
     ):
-        raise ValueError(
+        return ValueError(
             f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}; 0 "
             "compresses every parameter, the default 1024 sends small ones dense"
         )
+    return None

@@ -1,8 +1,15 @@
-"""Communication planner: bytes and time per step for each compressor, by the ring cost model.
+"""Communication planner: bytes and time per step for each compressor, by the ring cost model,
+and the step time once compression and overlap with backward are counted.
 
 Run it before training to see whether compression pays for a model size, world size and link::
 
     python -m sparsecomm.plan --params 1.3e9 --world-size 64 --bandwidth 25Gbit --latency 20us
+
+and, to weigh the exchange against the rest of the step, with what one step costs without any
+exchange and the compressors' cost per element on this machine::
+
+    python -m sparsecomm.plan --params 14.4M --world-size 2 --bandwidth 150Mbit \
+        --compute-seconds 0.8s --measure
 
 The cost model (per rank, per step; ``n`` gradient elements, ``W`` ranks, bandwidth ``B`` in
 bytes/s, per-message latency ``alpha``):
@@ -20,8 +27,23 @@ terms than the ring all-reduce, which moves the *time* crossover up by
 ``buckets * alpha * B / (n b)`` (see :func:`crossover_density`). Above the byte crossover
 sparsecomm sends the bucket dense instead, so a density there buys nothing.
 
-Everything here is a pure function of its arguments (no torch, no process group), so the figures
-can be checked by hand.
+The step model (per rank, per step) adds what the communication time leaves out:
+
+- ``compute``: forward + backward + optimizer step without any exchange (``--compute-seconds``;
+  measure it by training without the wrapper);
+- compression and aggregation: ``n`` times a cost per gradient element for each compressor
+  (``--compress-ns-per-element``, or ``--measure`` to time the compressors here on a tensor of
+  the model's size); they run on the same processor as backward, so nothing hides them;
+- overlap: communication can hide behind backward, up to ``overlap * backward`` seconds
+  (``--backward-seconds``, ``--overlap``); DistributedDataParallel's all-reduce runs during
+  backward, ``CompressedOptimizer`` exchanges inside ``step()``, after backward (overlap 0).
+
+``step = compute + compress + max(0, communication - overlap * backward)``. The recommendation is
+the row with the smallest step (ties to the less aggressive compressor); without compute and
+compression figures that is the row with the least communication.
+
+Everything here except :func:`measure_compress_costs` is a pure function of its arguments (no
+torch, no process group), so the figures can be checked by hand.
 """
 
 from __future__ import annotations
@@ -29,8 +51,9 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 __all__ = [
@@ -43,15 +66,18 @@ __all__ = [
     "parse_bandwidth",
     "parse_count",
     "parse_latency",
+    "parse_compress_costs",
     "plan",
+    "pick",
     "recommend",
     "format_plan",
+    "measure_compress_costs",
     "main",
 ]
 
 FP32_BYTES = 4
 HALF_BYTES = 2
-# int32 index + fp32 value; 6 with half values (DESIGN.md: values fp32 or, optionally, half).
+# int32 index + fp32 value; 6 with half values (an int32 index and a 2-byte value).
 PAIR_BYTES = 8
 # Threshold first all-gathers one int64 count per rank and bucket, then pads to the largest count.
 COUNT_BYTES = 8
@@ -285,6 +311,8 @@ def _check_nonnegative(name: str, value: float) -> None:
 
 # --------------------------------------------------------------------------- the plan
 
+_COST_KINDS = ("dense", "cast", "fp16", "bf16", "topk", "threshold")
+
 
 @dataclass(frozen=True)
 class PlanRow:
@@ -296,10 +324,15 @@ class PlanRow:
         density: fraction of elements sent (1.0 for dense and cast).
         bytes_per_rank: bytes one rank moves per step by the cost model.
         latency_terms: number of latency terms paid per step (all buckets).
-        time_s: ``bytes_per_rank / bandwidth + latency_terms * latency``.
-        speedup: dense fp32 time / this time.
+        time_s: communication time, ``bytes_per_rank / bandwidth + latency_terms * latency``.
+        speedup: dense fp32 communication time / this one.
         above_crossover: a sparse row whose payload is at least the dense all-reduce's in
             bytes (density >= 1/W for 8-byte pairs); sparsecomm sends those buckets dense.
+        compress_s: compression and aggregation, ``n`` times the row's cost per element.
+        exposed_s: the communication not hidden behind backward,
+            ``max(0, time_s - overlap * backward_seconds)``.
+        step_s: ``compute_seconds + compress_s + exposed_s``; equals ``time_s`` when no
+            compute, compression or overlap figures were given.
     """
 
     name: str
@@ -310,9 +343,69 @@ class PlanRow:
     time_s: float
     speedup: float
     above_crossover: bool = False
+    compress_s: float = 0.0
+    exposed_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """``dense``, ``fp16``, ``bf16``, ``topk`` or ``threshold``."""
+        return _kind(self.compressor)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _kind(compressor: str) -> str:
+    if compressor.startswith("Dense"):
+        return "dense"
+    if compressor.startswith("Cast"):
+        return "bf16" if "bfloat16" in compressor else "fp16"
+    return "topk" if compressor.startswith("TopK") else "threshold"
+
+
+def _cost_for(name: str, kind: str, spec) -> float | None:
+    """The cost per element (ns) that ``spec`` gives the row, or None if it names none."""
+    if spec is None:
+        return None
+    if isinstance(spec, Mapping):
+        for key in (name, kind, "cast" if kind in ("fp16", "bf16") else None):
+            if key is not None and key in spec:
+                return float(spec[key])
+        return None
+    return 0.0 if kind == "dense" else float(spec)
+
+
+def parse_compress_costs(text: str) -> float | dict[str, float]:
+    """Parse ``--compress-ns-per-element``: one number for every compressor that compresses
+    (Cast, TopK, Threshold; Dense costs nothing), or ``kind=ns`` pairs with kinds ``dense``,
+    ``cast``, ``fp16``, ``bf16``, ``topk``, ``threshold``.
+
+    Example:
+        >>> parse_compress_costs("4.5"), parse_compress_costs("topk=9,cast=1.5")
+        (4.5, {'topk': 9.0, 'cast': 1.5})
+    """
+    text = str(text).strip()
+    try:
+        if "=" not in text:
+            value = float(text)
+            _check_nonnegative("compress ns per element", value)
+            return value
+        costs = {}
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            key, value = (s.strip() for s in part.split("=", 1))
+            if key.lower() not in _COST_KINDS:
+                raise ValueError(key)
+            costs[key.lower()] = float(value)
+            _check_nonnegative(f"compress ns per element of {key}", costs[key.lower()])
+        return costs
+    except ValueError as error:
+        if "must be >= 0" in str(error):
+            raise
+        raise ValueError(
+            f"compress ns per element {text!r} is not understood; write one number (e.g. 4.5) "
+            f"or kind=ns pairs with kinds {', '.join(_COST_KINDS)} (e.g. topk=9,cast=1.5)"
+        ) from None
 
 
 def plan(
@@ -323,6 +416,12 @@ def plan(
     densities: Sequence[float] = DEFAULT_DENSITIES,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     pair_bytes: float = PAIR_BYTES,
+    *,
+    threshold_densities: Sequence[float] | None = None,
+    compress_ns_per_element: float | Mapping[str, float] | None = None,
+    compute_seconds: float = 0.0,
+    backward_seconds: float = 0.0,
+    overlap: float = 1.0,
 ) -> list[PlanRow]:
     """Cost of each compressor for one step of ``params`` gradient elements on ``world_size`` ranks.
 
@@ -331,9 +430,22 @@ def plan(
         world_size: number of ranks.
         bandwidth: per-rank link bandwidth in bytes/s (see :func:`parse_bandwidth`).
         latency: per-message latency in seconds (see :func:`parse_latency`).
-        densities: the TopK and Threshold densities to list, each in (0, 1].
+        densities: the TopK densities to list (and Threshold's, unless
+            ``threshold_densities`` is given), each in (0, 1].
         bucket_cap_mb: bucket size; each bucket is one collective, so one set of latency terms.
         pair_bytes: bytes per sparse pair (8: int32 index + fp32 value; 6 with half values).
+        threshold_densities: the densities the Threshold rows' ``t`` gives, if not
+            ``densities``.
+        compress_ns_per_element: compression + aggregation cost per gradient element, in
+            nanoseconds: one number for every compressor but Dense, or a mapping from row name
+            (``"TopK 1%"``) or kind (``dense``, ``cast``, ``fp16``, ``bf16``, ``topk``,
+            ``threshold``) to ns; rows it does not name cost nothing. See
+            :func:`measure_compress_costs`.
+        compute_seconds: forward + backward + optimizer step without any exchange.
+        backward_seconds: the part of ``compute_seconds`` the communication can hide behind.
+        overlap: the fraction of ``backward_seconds`` that hides communication (1: all of it,
+            as DistributedDataParallel's bucketed all-reduce; 0: none, as
+            ``CompressedOptimizer``, which exchanges after backward).
 
     Returns:
         Rows in the order Dense fp32, Cast fp16, Cast bf16, then TopK and Threshold per density.
@@ -354,9 +466,22 @@ def plan(
             f"bandwidth must be > 0 bytes/s, got {bandwidth!r}; pass e.g. parse_bandwidth('25Gbit')"
         )
     _check_nonnegative("latency", latency)
-    for density in densities:
+    threshold_densities = densities if threshold_densities is None else threshold_densities
+    for density in (*densities, *threshold_densities):
         if not 0 < density <= 1:
             raise ValueError(f"densities must each be in (0, 1], got {density!r}; write 1% as 0.01")
+    _check_nonnegative("compute_seconds", compute_seconds)
+    _check_nonnegative("backward_seconds", backward_seconds)
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1] (a fraction of backward), got {overlap!r}")
+    if backward_seconds > compute_seconds:
+        raise ValueError(
+            f"backward_seconds ({backward_seconds:g}) must be <= compute_seconds "
+            f"({compute_seconds:g}): backward is part of the step's compute; pass both "
+            "(--compute-seconds and --backward-seconds)"
+        )
+    if compress_ns_per_element is not None and not isinstance(compress_ns_per_element, Mapping):
+        _check_nonnegative("compress_ns_per_element", compress_ns_per_element)
     buckets = num_buckets(params, bucket_cap_mb)
     ring_terms = 2 * (world_size - 1) * buckets
     gather_terms = (world_size - 1) * buckets
@@ -402,7 +527,7 @@ def plan(
                 topk_bytes >= dense_bytes,
             )
         )
-    for density in densities:
+    for density in threshold_densities:
         k = density * params
         threshold_bytes = allgather_bytes(k, world_size, pair_bytes) + (
             (world_size - 1) * COUNT_BYTES * buckets
@@ -418,47 +543,113 @@ def plan(
             )
         )
     dense_time = raw[0][5]
-    return [
-        PlanRow(
-            name=name,
-            compressor=compressor,
-            density=density,
-            bytes_per_rank=nbytes,
-            latency_terms=terms,
-            time_s=time_s,
-            speedup=(dense_time / time_s) if time_s > 0 else math.inf,
-            above_crossover=above,
+    hidden = overlap * backward_seconds
+    rows = []
+    for name, compressor, density, nbytes, terms, time_s, above in raw:
+        cost = _cost_for(name, _kind(compressor), compress_ns_per_element) or 0.0
+        if not cost >= 0:
+            raise ValueError(f"compress ns per element of {name} must be >= 0, got {cost!r}")
+        compress_s = cost * 1e-9 * params
+        exposed_s = max(0.0, time_s - hidden)
+        rows.append(
+            PlanRow(
+                name=name,
+                compressor=compressor,
+                density=density,
+                bytes_per_rank=nbytes,
+                latency_terms=terms,
+                time_s=time_s,
+                speedup=(dense_time / time_s) if time_s > 0 else math.inf,
+                above_crossover=above,
+                compress_s=compress_s,
+                exposed_s=exposed_s,
+                step_s=compute_seconds + compress_s + exposed_s,
+            )
         )
-        for name, compressor, density, nbytes, terms, time_s, above in raw
-    ]
+    return rows
+
+
+def _aggressiveness(row: PlanRow) -> tuple:
+    """Less aggressive first: Dense, Cast bf16, Cast fp16, then sparse by falling density
+    (TopK before Threshold, whose t needs tuning)."""
+    order = {"dense": 0, "bf16": 1, "fp16": 2}
+    if row.kind in order:
+        return (order[row.kind], 0.0, 0)
+    return (3, -row.density, 0 if row.kind == "topk" else 1)
+
+
+def _constructor(row: PlanRow) -> str:
+    """``TopK(density=0.01)``; ``Threshold(t) (t giving 1%)``."""
+    code, _, comment = row.compressor.partition("  # ")
+    return f"{code} ({comment})" if comment else code
+
+
+def pick(rows: Sequence[PlanRow]) -> PlanRow:
+    """The row with the smallest modelled step time, ties to the less aggressive compressor.
+    Sparse rows above the byte crossover are left out (sparsecomm sends those dense)."""
+    candidates = [r for r in rows if not r.above_crossover] or list(rows)
+    best = min(r.step_s for r in candidates)
+    tied = [r for r in candidates if r.step_s <= best * (1 + 1e-9) + 1e-15]
+    return min(tied, key=_aggressiveness)
 
 
 def recommend(rows: Sequence[PlanRow], world_size: int) -> str:
     """One paragraph saying which compressor to use, from the rows of :func:`plan`.
 
-    The rule: Cast(bf16) halves the bytes with no accuracy tuning (error feedback keeps the
-    rounding), so it is the baseline; a sparse compressor is worth its tuning only when it beats
-    Cast(bf16), and the least aggressive TopK density that does is the one to try first.
+    The rule: the row with the smallest modelled step time (:func:`pick`). Without compute
+    and compression figures the step is the communication alone, so the least communication
+    wins; with them, compression must save more time on the link than it costs. A less
+    aggressive sparse density within 10% of the pick is named too: it keeps more of each
+    gradient for little time.
     """
     if world_size == 1:
         return "One rank exchanges nothing: use Dense() (or no wrapper at all)."
     by_name = {r.name: r for r in rows}
-    bf16 = by_name["Cast bf16"]
-    topk = sorted((r for r in rows if r.name.startswith("TopK")), key=lambda r: -r.density)
-    better = [r for r in topk if r.time_s < bf16.time_s]
-    if not better:
-        lowest = min((r.density for r in topk), default=None)
-        tail = f" at densities down to {_pct(lowest)}" if lowest is not None else ""
+    dense, bf16 = by_name["Dense fp32"], by_name["Cast bf16"]
+    best = pick(rows)
+    candidates = [r for r in rows if not r.above_crossover]
+    if best.kind == "dense":
+        others = [r for r in candidates if r.kind != "dense"]
+        runner = min(others, key=lambda r: (r.step_s, _aggressiveness(r)), default=None)
+        tail = (
+            f": the fastest compressor, {_constructor(runner)}, takes "
+            f"{_ms(runner.step_s)}"
+            if runner
+            else ""
+        )
         return (
-            f"Use Cast(torch.bfloat16): {_ms(bf16.time_s)} per step against {_ms(rows[0].time_s)} "
+            f"Use Dense() (or plain DistributedDataParallel): {_ms(best.step_s)} per step. "
+            f"Compression costs more than it saves here{tail}."
+        )
+    if best.kind in ("bf16", "fp16"):
+        sparse = [r.density for r in rows if r.kind == "topk"]
+        tail = f" at densities down to {_pct(min(sparse))}" if sparse else ""
+        return (
+            f"Use {best.compressor}: {_ms(best.step_s)} per step against {_ms(dense.step_s)} "
             f"dense. Sparse compression does not beat it{tail} at W={world_size}."
         )
-    pick = better[0]
+    text = (
+        f"Use {_constructor(best)} with error_feedback=True: {_ms(best.step_s)} per step against "
+        f"{_ms(dense.step_s)} dense fp32 ({dense.step_s / best.step_s:.1f}x) and "
+        f"{_ms(bf16.step_s)} for Cast(torch.bfloat16)."
+    )
+    gentler = [
+        r
+        for r in candidates
+        if r.kind in ("topk", "threshold")
+        and r.density > best.density
+        and r.step_s <= 1.1 * best.step_s
+    ]
+    if gentler:
+        other = min(gentler, key=_aggressiveness)
+        text += (
+            f" {_constructor(other)} is within "
+            f"{100 * (other.step_s / best.step_s - 1):.0f}% of it ({_ms(other.step_s)}) and "
+            f"sends {other.density / best.density:.3g}x more of each gradient."
+        )
     return (
-        f"Use {pick.compressor} with error_feedback=True: {_ms(pick.time_s)} per step against "
-        f"{_ms(rows[0].time_s)} dense fp32 ({pick.speedup:.1f}x) and {_ms(bf16.time_s)} for "
-        f"Cast(torch.bfloat16). Check accuracy against a dense run; if it drops, "
-        f"Cast(torch.bfloat16) is the safe choice."
+        text + " Check accuracy against a dense run; if it drops, Cast(torch.bfloat16) is the "
+        "safe choice."
     )
 
 
@@ -470,19 +661,43 @@ def format_plan(
     densities: Sequence[float] = DEFAULT_DENSITIES,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     pair_bytes: float = PAIR_BYTES,
+    **step_model,
 ) -> str:
-    """The planner's report as text: the table, the crossover and the recommendation."""
-    rows = plan(params, world_size, bandwidth, latency, densities, bucket_cap_mb, pair_bytes)
+    """The planner's report as text: the table, the crossover and the recommendation.
+
+    ``step_model``: :func:`plan`'s keyword arguments (``threshold_densities``,
+    ``compress_ns_per_element``, ``compute_seconds``, ``backward_seconds``, ``overlap``)."""
+    rows = plan(
+        params, world_size, bandwidth, latency, densities, bucket_cap_mb, pair_bytes, **step_model
+    )
     buckets = num_buckets(params, bucket_cap_mb)
+    stepped = any(r.step_s != r.time_s for r in rows)
     lines = [
         f"{params:.4g} gradient elements, W={world_size} ranks, "
         f"{bandwidth * 8 / 1e9:.4g} Gbit/s ({bandwidth / 1e9:.4g} GB/s) per rank, "
         f"latency {latency * 1e6:.4g} us per message, "
         f"{buckets} bucket(s) of <= {bucket_cap_mb:g} MiB",
+    ]
+    if stepped:
+        compute = step_model.get("compute_seconds", 0.0)
+        backward = step_model.get("backward_seconds", 0.0)
+        overlap = step_model.get("overlap", 1.0)
+        hidden = (
+            f" not hidden behind {overlap:g} x backward {_ms(backward)}"
+            if backward and overlap
+            else ""
+        )
+        lines.append(
+            f"step = compute {_ms(compute)} + compress/aggregate + communication{hidden}"
+        )
+    lines += [
         "",
         f"| {'compressor':<15} | {'bytes/rank/step':>15} | {'time/step':>10} | {'vs dense':>8} "
-        "| note |",
-        f"|{'-' * 17}|{'-' * 16}:|{'-' * 11}:|{'-' * 9}:|------|",
+        + (f"| {'compress':>8} | {'step':>8} " if stepped else "")
+        + "| note |",
+        f"|{'-' * 17}|{'-' * 16}:|{'-' * 11}:|{'-' * 9}:|"
+        + (f"{'-' * 9}:|{'-' * 9}:|" if stepped else "")
+        + "------|",
     ]
     for r in rows:
         note = ""
@@ -490,9 +705,10 @@ def format_plan(
             note = "above crossover: sparsecomm sends these buckets dense fp32"
         elif r.name.startswith("Threshold"):
             note = "density = largest over ranks (padded); + count all-gather"
+        extra = f"{_ms(r.compress_s):>8} | {_ms(r.step_s):>8} | " if stepped else ""
         lines.append(
             f"| {r.name:<15} | {_bytes(r.bytes_per_rank):>15} | {_ms(r.time_s):>10} | "
-            f"{r.speedup:>7.2f}x | {note} |"
+            f"{r.speedup:>7.2f}x | {extra}{note} |"
         )
     lines.append("")
     if world_size >= 2:
@@ -527,6 +743,84 @@ def format_plan(
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- measuring
+
+
+def measure_compress_costs(
+    params: float,
+    densities: Sequence[float] = DEFAULT_DENSITIES,
+    threshold_densities: Sequence[float] | None = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    *,
+    max_elements: float = 2e7,
+    repeats: int = 3,
+    device: str | None = None,
+) -> dict[str, float]:
+    """Time each planner row's compression + aggregation on this machine, in ns per element.
+
+    Runs ``CompressedOptimizer(..., profile=True)`` without a process group (one rank) on
+    ``min(params, max_elements)`` normally distributed gradient elements in buckets of
+    ``bucket_cap_mb``, and returns ``{row name: (compress_seconds + aggregate_seconds) / n}``
+    in nanoseconds (median of ``repeats`` steps after one warm-up, each from a zero residual).
+    Threshold's ``t`` sends the row's density of a normal gradient. Aggregation here adds one
+    message, not W: at the densities that pay, the W-1 others are a small part of it.
+    CUDA when available (or ``device``), else CPU. Needs torch; must not run inside an
+    initialized process group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .compressors import Cast, Dense, Threshold, TopK
+    from .optimizer import CompressedOptimizer
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "measure_compress_costs runs on one process without a process group; call it "
+            "before torch.distributed.init_process_group (or from python -m sparsecomm.plan)"
+        )
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    n = int(min(float(params), float(max_elements)))
+    if n < 1:
+        raise ValueError(f"params must be >= 1, got {params!r}")
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
+    sizes = [per_bucket] * (n // per_bucket) + ([n % per_bucket] if n % per_bucket else [])
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(size, generator=generator).to(where) for size in sizes]
+    tensors = [torch.zeros(size, device=where, requires_grad=True) for size in sizes]
+    compressors = [
+        ("Dense fp32", Dense()),
+        ("Cast fp16", Cast(torch.float16)),
+        ("Cast bf16", Cast(torch.bfloat16)),
+    ]
+    compressors += [(f"TopK {_pct(d)}", TopK(d)) for d in densities]
+    normal = statistics.NormalDist()
+    compressors += [
+        (f"Threshold {_pct(d)}", Threshold(normal.inv_cdf(1 - d / 2)))
+        for d in (densities if threshold_densities is None else threshold_densities)
+    ]
+    costs = {}
+    for name, compressor in compressors:
+        samples = []
+        for repeat in range(repeats + 1):
+            optimizer = CompressedOptimizer(
+                torch.optim.SGD(tensors, lr=0.0),
+                compressor,
+                bucket_cap_mb=bucket_cap_mb,
+                min_compress_numel=0,
+                profile=True,
+            )
+            for tensor, grad in zip(tensors, grads):
+                tensor.grad = grad.clone()
+            optimizer.step()
+            stats = optimizer.last_stats
+            if repeat:
+                samples.append(stats.compress_seconds + stats.aggregate_seconds)
+        costs[name] = statistics.median(samples) / n * 1e9
+    return costs
+
+
 def _pct(density: float) -> str:
     return f"{density * 100:.3g}%"
 
@@ -554,7 +848,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m sparsecomm.plan",
         description=(
             "Bytes and communication time per rank per step for each sparsecomm compressor, "
-            "by the ring cost model; prints the crossover density and a recommendation."
+            "by the ring cost model, and (given compute and compression figures) the step "
+            "time; prints the crossover density and a recommendation."
         ),
     )
     parser.add_argument(
@@ -575,6 +870,11 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated TopK/Threshold densities (default 0.001,0.01,0.1)",
     )
     parser.add_argument(
+        "--threshold-densities",
+        default=None,
+        help="comma-separated densities for the Threshold rows (default: --densities)",
+    )
+    parser.add_argument(
         "--bucket-cap-mb",
         type=float,
         default=DEFAULT_BUCKET_CAP_MB,
@@ -585,7 +885,60 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="sparse values sent as half: 6-byte pairs instead of 8",
     )
+    parser.add_argument(
+        "--compute-seconds",
+        default="0",
+        help="forward + backward + optimizer step without any exchange: 0.8s, 350ms",
+    )
+    parser.add_argument(
+        "--backward-seconds",
+        default="0",
+        help="the part of --compute-seconds communication can hide behind (default 0)",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=1.0,
+        help="fraction of --backward-seconds that hides communication (default 1, as DDP; "
+        "CompressedOptimizer exchanges after backward: 0)",
+    )
+    parser.add_argument(
+        "--compress-ns-per-element",
+        default=None,
+        help="compression + aggregation cost per gradient element in ns: one number, or "
+        "kind=ns pairs (dense, cast, fp16, bf16, topk, threshold), e.g. topk=9,cast=1.5",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="time the compressors on this machine (CUDA if present) on a tensor of the "
+        "model's size (at most --measure-max-elements); --compress-ns-per-element overrides",
+    )
+    parser.add_argument(
+        "--measure-max-elements",
+        type=float,
+        default=2e7,
+        help="--measure times at most this many elements and scales per element (default 2e7)",
+    )
     return parser
+
+
+def _fractions(text: str, flag: str) -> list[float]:
+    try:
+        return [float(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise ValueError(
+            f"{flag} {text!r} must be comma-separated fractions, e.g. 0.001,0.01"
+        ) from None
+
+
+def _seconds(text: str, flag: str) -> float:
+    try:
+        return parse_latency(text)
+    except ValueError:
+        raise ValueError(
+            f"{flag} {text!r} is not understood; write a time with its unit, e.g. 0.8s or 350ms"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -595,19 +948,75 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = parse_count(args.params)
         bandwidth = parse_bandwidth(args.bandwidth)
         latency = parse_latency(args.latency)
-        try:
-            densities = [float(d) for d in args.densities.split(",") if d.strip()]
-        except ValueError:
-            raise ValueError(
-                f"densities {args.densities!r} must be comma-separated fractions, e.g. 0.001,0.01"
-            ) from None
+        densities = _fractions(args.densities, "densities")
+        threshold_densities = (
+            None
+            if args.threshold_densities is None
+            else _fractions(args.threshold_densities, "threshold densities")
+        )
         pair_bytes = 6 if args.half_values else PAIR_BYTES
+        given = (
+            None
+            if args.compress_ns_per_element is None
+            else parse_compress_costs(args.compress_ns_per_element)
+        )
+        step_model = dict(
+            threshold_densities=threshold_densities,
+            compute_seconds=_seconds(args.compute_seconds, "--compute-seconds"),
+            backward_seconds=_seconds(args.backward_seconds, "--backward-seconds"),
+            overlap=args.overlap,
+        )
+        # Validate everything before a measurement that can take a while.
+        names = [
+            r.name
+            for r in plan(
+                params,
+                args.world_size,
+                bandwidth,
+                latency,
+                densities,
+                args.bucket_cap_mb,
+                pair_bytes,
+                compress_ns_per_element=given,
+                **step_model,
+            )
+        ]
+        costs = given
+        measured_text = ""
+        if args.measure:
+            measured = measure_compress_costs(
+                params,
+                densities,
+                threshold_densities,
+                args.bucket_cap_mb,
+                max_elements=args.measure_max_elements,
+            )
+            costs = {}
+            for name in names:
+                kind = name.split()[0].lower()
+                kind = {"dense": "dense", "cast": name.split()[1]}.get(kind, kind)
+                explicit = _cost_for(name, kind, given)
+                costs[name] = measured.get(name, 0.0) if explicit is None else explicit
+            n = int(min(params, args.measure_max_elements))
+            measured_text = (
+                f"Measured here (compress + aggregate, {n:.3g} elements, ns per element): "
+                + ", ".join(f"{name} {ns:.3g}" for name, ns in measured.items())
+                + "\n"
+            )
         text = format_plan(
-            params, args.world_size, bandwidth, latency, densities, args.bucket_cap_mb, pair_bytes
+            params,
+            args.world_size,
+            bandwidth,
+            latency,
+            densities,
+            args.bucket_cap_mb,
+            pair_bytes,
+            compress_ns_per_element=costs,
+            **step_model,
         )
     except ValueError as error:
         parser.error(str(error))  # exits with status 2 and the usage line
-    print(text)
+    print(measured_text + text)
     return 0
 
 

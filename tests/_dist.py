@@ -4,6 +4,10 @@
 process group in each (through a file store), calls ``fn(rank, world_size, *args)`` and
 returns every rank's return value, in rank order. A worker's exception fails the test with
 its traceback; a worker still running at the deadline fails it as a hang.
+
+``collective_timeout`` (seconds, default ``COLLECTIVE_TIMEOUT_S``) is the process group's own
+timeout: a collective that one rank waits in while another never joins gives up after that
+long. Tests of "no rank blocks" pass a short one, so that a defect fails them in seconds.
 """
 
 from __future__ import annotations
@@ -21,16 +25,24 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _entry(fn, rank, world_size, init_file, result_dir, args):
+def _entry(fn, rank, world_size, init_file, result_dir, args, collective_timeout, join_timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Meet in the store first, with the long timeout: ranks finish importing at different
+    # times on a busy machine, and the process group's (possibly short) timeout must bound
+    # the collectives, not that wait.
+    store = dist.FileStore(init_file, world_size)
+    store.set_timeout(timedelta(seconds=join_timeout))
+    if store.add("arrived", 1) == world_size:
+        store.set("everyone", "here")
+    store.wait(["everyone"])
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{init_file}",
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=timedelta(seconds=collective_timeout),
     )
     try:
         result = fn(rank, world_size, *args)
@@ -44,13 +56,25 @@ def _entry(fn, rank, world_size, init_file, result_dir, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each on its own gloo process."""
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    collective_timeout: float = COLLECTIVE_TIMEOUT_S,
+) -> list:
+    """``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each on its own gloo process.
+
+    ``timeout`` bounds the whole run (spawn included); ``collective_timeout`` each collective.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, rank, world_size, init_file, tmp, args))
+            ctx.Process(
+                target=_entry,
+                args=(fn, rank, world_size, init_file, tmp, args, collective_timeout, timeout),
+            )
             for rank in range(world_size)
         ]
         for proc in procs:

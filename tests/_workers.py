@@ -79,26 +79,35 @@ def sync(rank, world_size, configs, steps):
     return out
 
 
-# ------------------------------------------------------------------ conservation
+# ------------------------------------------------------------------ aggregation
 
 
-def conservation(rank, world_size, compressor, grads, numel):
-    """One parameter; each case sets this rank's gradient, steps (lr 0) and records the
-    residual before and after and the averaged gradient handed to the optimizer."""
-    param = torch.nn.Parameter(torch.zeros(numel))
-    opt = sparsecomm.CompressedOptimizer(
-        torch.optim.SGD([param], lr=0.0),
-        compressor=compressor,
-        min_compress_numel=0,
-        profile=True,
-    )
-    records = []
-    for case in grads:
-        param.grad = case[rank].clone()
-        old = opt.residual(param)
-        opt.step()
-        records.append((case[rank], old, opt.residual(param), param.grad.clone()))
-    return records, opt.last_stats
+def aggregation(rank, world_size, compressors, cases):
+    """For each compressor: one parameter of ``numel`` elements (lr 0, so it stays at zero),
+    compressed whatever its size; each case is one step in which autograd hands this rank
+    the gradient ``case[rank]``. Records, per step, this rank's residual before and after
+    and the averaged gradient the wrapped optimizer got, and the last step's stats. What
+    the rank sent is not recorded: the test derives it from the gradient and the residual
+    before, with the kernels' references, and adds the ranks' messages up itself."""
+    numel = cases[0][rank].numel()
+    out = []
+    for compressor in compressors:
+        param = torch.nn.Parameter(torch.zeros(numel))
+        opt = sparsecomm.CompressedOptimizer(
+            torch.optim.SGD([param], lr=0.0),
+            compressor=compressor,
+            min_compress_numel=0,
+            profile=True,
+        )
+        records = []
+        for case in cases:
+            before = opt.residual(param)  # before backward: backward may already send
+            (param * case[rank]).sum().backward()  # param.grad is exactly case[rank]
+            opt.step()
+            records.append((before, opt.residual(param), param.grad.clone()))
+            opt.zero_grad()
+        out.append((records, opt.last_stats))
+    return out
 
 
 # ------------------------------------------------------------------ average
@@ -217,15 +226,22 @@ def nan_on_one_rank(rank, world_size, bad_value):
         train_step(model, opt, rank, step)
     before = _snapshot(model, opt)
     x, y = batch(rank, 3)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    if rank == 1:
-        model[2].weight.grad[3, 7] = bad_value
+
+    def poison(grad):  # during backward: the bucket is sent before backward returns
+        grad = grad.clone()
+        grad[3, 7] = bad_value
+        return grad
+
+    handle = model[2].weight.register_hook(poison) if rank == 1 else None
     try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     except sparsecomm.NonFiniteGradientError as error:
         caught = (type(error).__name__, error.ranks, str(error))
     else:
         caught = None
+    if handle is not None:
+        handle.remove()
     unchanged = _same(before, _snapshot(model, opt))
     # The group still works: a clean step goes through on every rank.
     opt.zero_grad()

@@ -16,6 +16,15 @@ import sparsecomm
 ROOT = Path(__file__).resolve().parents[1]
 
 
+COMPRESSORS = [
+    sparsecomm.Dense(),
+    sparsecomm.Cast(torch.float16),
+    sparsecomm.Cast(torch.bfloat16),
+    sparsecomm.Threshold(1e-3),
+    sparsecomm.TopK(0.05),
+]
+
+
 def small_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.ReLU(), torch.nn.Linear(50, 3))
@@ -259,18 +268,34 @@ def test_bf16_parameters_keep_fp32_residuals():
     assert residual.dtype == torch.float32 and residual.abs().sum() > 0
 
 
-def test_nonfinite_gradient_raises_and_changes_nothing_locally():
+def _poison(grad):
+    grad = grad.clone()
+    grad[1, 1] = float("nan")
+    return grad
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
+def test_nonfinite_gradient_raises_and_changes_nothing_locally(compressor, overlap):
     model = small_model()
-    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    opt = sparsecomm.CompressedOptimizer(sgd(model), compressor, overlap=overlap)
     train(model, opt, 2)
     params = [p.detach().clone() for p in model.parameters()]
     residual = opt.residual(model[0].weight)
-    model(torch.randn(2, 40)).sum().backward()
-    model[0].weight.grad[1, 1] = float("nan")
+    if overlap:  # the NaN arrives during backward, which sends the bucket itself
+        handle = model[0].weight.register_hook(_poison)
+        model(torch.randn(2, 40)).sum().backward()
+        handle.remove()
+    else:  # exchanged in step(), from .grad as it is then
+        model(torch.randn(2, 40)).sum().backward()
+        model[0].weight.grad[1, 1] = float("nan")
     with pytest.raises(sparsecomm.NonFiniteGradientError, match=r"rank\(s\) \[0\]"):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(params, model.parameters()))
     assert torch.equal(residual, opt.residual(model[0].weight))
+    opt.zero_grad()
+    train(model, opt, 1)  # and training goes on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_profile_records_times():

@@ -147,6 +147,32 @@ def test_killed_and_resumed_run_matches_uninterrupted_bitwise(tmp_path, flags):
     assert checksum(resumed) == checksum(uninterrupted)
 
 
+def test_digits_runs_without_tqdm_and_without_torchrun(tmp_path):
+    """tqdm is optional: with it not installed (an import of it fails) the progress bar is
+    skipped, not called. One rank, run as plain ``python``, progress bar on."""
+    script = (
+        "import runpy, sys\n"
+        "sys.modules['tqdm'] = None  # 'import tqdm' now raises ImportError, as if absent\n"
+        "sys.modules['tqdm.auto'] = None\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "sys.argv = ['train_digits.py', '--steps', '2', '--eval-every', '1', '--batch-size', '8']\n"
+        f"runpy.run_path({str(EXAMPLES / 'train_digits.py')!r}, run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    check_ok(result)
+    assert "final test_accuracy=" in result.stdout, result.stdout
+
+
 def _common():
     sys.path.insert(0, str(EXAMPLES))
     try:

@@ -92,3 +92,72 @@ def test_ranks_sharing_the_gpu_over_gloo_stay_bitwise_identical():
     for index, compressor in enumerate(COMPRESSORS):
         a, b = results[0][index], results[1][index]
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), compressor
+
+
+def _run_cuda(compressor, overlap, steps=6):
+    model = _workers.make_model(seed=0).cuda()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        compressor=compressor,
+        bucket_cap_mb=0.01,
+        overlap=overlap,
+    )
+    for step in range(steps):
+        x, y = (t.cuda() for t in _workers.batch(0, step))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _workers.flat_params(model).cpu()
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
+def test_cuda_overlap_gives_the_bits_of_the_exchange_in_step(compressor):
+    a, b = _run_cuda(compressor, True), _run_cuda(compressor, False)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), compressor
+
+
+def test_cuda_nonfinite_gradient_during_backward_raises_and_keeps_residual():
+    model = _workers.make_model(seed=0).cuda()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), sparsecomm.TopK(0.05)
+    )
+    for step in range(2):
+        x, y = (t.cuda() for t in _workers.batch(0, step))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    residual = opt.residual(model[0].weight)
+    handle = model[0].weight.register_hook(lambda g: g * float("nan"))
+    x, y = (t.cuda() for t in _workers.batch(0, 2))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    handle.remove()
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    assert torch.equal(residual, opt.residual(model[0].weight))
+
+
+def test_cuda_ddp_hook_runs_on_nccl(tmp_path):
+    """World size 1 over NCCL, every compressor: DDP with the hook trains (parameters move,
+    stay finite), the hook counts its bytes, and its residuals live on the GPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for compressor in COMPRESSORS:
+            model = _workers.make_model(seed=0).cuda()
+            start = _workers.flat_params(model).cpu()
+            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+            state, hook = sparsecomm.ddp_comm_hook(compressor)
+            ddp.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            for step in range(4):
+                x, y = (t.cuda() for t in _workers.batch(0, step))
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            end = _workers.flat_params(model).cpu()
+            assert torch.isfinite(end).all() and not torch.equal(start, end), compressor
+            assert state.last_bytes_sent > 0, compressor
+            assert all(r.is_cuda for r in state.residuals.values()), compressor
+    finally:
+        dist.destroy_process_group()

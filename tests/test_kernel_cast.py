@@ -69,7 +69,7 @@ def check_against_ref(grad, residual, dtype, scale):
     assert_same_bits(half[checked], ref_half[checked], f"{dtype} values", ulps=1)
     if residual is not None:
         # The residual of the kernel's own bf16 value, computed as the reference does.
-        expected = acc - half.float() * (1.0 / scale)
+        expected = (acc - half.float() * (1.0 / scale)).masked_fill(acc.isinf(), 0.0)
         assert_same_bits(kernel_residual[checked], expected[checked], "residual")
     return half, kernel_residual
 
@@ -118,11 +118,36 @@ def test_overflow_nan_and_signed_zero(dtype, scale):
     residual = torch.full_like(grad, -0.0)  # so that -0.0 stays -0.0
     half, new_residual = check_against_ref(grad, residual, dtype, scale)
     assert half[0].isnan() and new_residual[0].isnan(), "NaN must pass through as NaN"
-    # Nothing becomes infinite: the clamp keeps the largest finite value.
-    assert half[1:].isfinite().all()
-    assert half[1] == limit and half[2] == -limit
+    # An infinite acc goes out as the half type's infinity and leaves nothing behind; no
+    # finite acc becomes infinite: the clamp keeps the largest finite value (2 * limit is
+    # inf in float32 for bf16, so it is an infinite acc there).
+    infinite = grad.isinf()
+    assert half[1] == INF and half[2] == -INF
+    assert torch.equal(half[1:].isinf(), infinite[1:])
+    assert torch.equal(half[infinite].sign(), grad[infinite].sign().to(dtype))
+    assert (new_residual[infinite] == 0).all()
+    if dtype == torch.float16 and scale >= 1.0:  # 1e6 and -1e6 beyond fp16's range
+        assert half[9] == limit and half[10] == -limit
+    assert half[13] == -limit or scale < 1.0  # -3.4e38, finite: clamped
     assert half[3].item() == 0.0 and math.copysign(1.0, half[3].item()) == -1.0
     check_against_ref(grad, None, dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_infinite_acc_is_sent_and_finite_overflow_is_clamped(dtype):
+    limit = torch.finfo(dtype).max
+    # acc: inf from grad, -inf from residual, inf from a float32 overflow of the add, and
+    # finite values beyond the half range (scaled by 4 to beyond float32 too).
+    grad = torch.tensor([INF, 1.0, 3e38, 3e38, -3e38, 1e6, NAN], device=DEVICE)
+    residual = torch.tensor([1.0, -INF, 3e38, 0.0, 0.0, 0.0, 0.0], device=DEVICE)
+    for scale in [1.0, 4.0, 0.125]:
+        half, new_residual = check_against_ref(grad, residual.clone(), dtype, scale)
+        assert half[:3].tolist() == [INF, -INF, INF]
+        assert new_residual[:3].tolist() == [0.0, 0.0, 0.0]
+        assert half[3:6].isfinite().all() and half[6].isnan() and new_residual[6].isnan()
+        if scale == 4.0:  # 3e38 * 4 overflows float32, yet acc is finite: clamped
+            assert half[3:5].tolist() == [limit, -limit]
+            assert new_residual[3] == 3e38 - limit / 4  # the excess stays behind
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -149,19 +174,25 @@ def test_empty():
 
 
 BAD_ARGUMENTS = [
-    ((torch.zeros(4), None, torch.float32, 1.0), "dtype must be"),
-    ((torch.zeros(4), None, torch.float16, 3.0), "scale must be a positive power of two"),
-    ((torch.zeros(4), None, torch.float16, -0.5), "scale must be a positive power of two"),
-    ((torch.zeros(2, 2), None, torch.float16, 1.0), "1-D contiguous float32"),
-    ((torch.zeros(4, dtype=torch.float16), None, torch.float16, 1.0), "1-D contiguous float32"),
-    ((torch.zeros(4), torch.zeros(3), torch.float16, 1.0), "residual must be"),
+    ((torch.zeros(4), None, torch.float32, 1.0), TypeError, "dtype must be"),
+    ((torch.zeros(4), None, torch.float16, 3.0), ValueError, "scale must be a positive power"),
+    ((torch.zeros(4), None, torch.float16, -0.5), ValueError, "scale must be a positive power"),
+    ((torch.zeros(4), None, torch.float16, "1"), TypeError, "scale must be a positive power"),
+    ((torch.zeros(2, 2), None, torch.float16, 1.0), ValueError, "1-D contiguous float32"),
+    (
+        (torch.zeros(4, dtype=torch.float16), None, torch.float16, 1.0),
+        TypeError,
+        "1-D contiguous float32",
+    ),
+    ((torch.zeros(4), torch.zeros(3), torch.float16, 1.0), ValueError, "residual must be"),
+    (([0.0] * 4, None, torch.float16, 1.0), TypeError, "grad must be a torch.Tensor"),
 ]
 
 
-@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
-def test_bad_arguments(args, message):
+@pytest.mark.parametrize("args, error, message", BAD_ARGUMENTS)
+def test_bad_arguments(args, error, message):
     args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         cast_compress(*args)
 
 

@@ -225,6 +225,88 @@ def test_bad_arguments(args, message):
         scatter_add(*args)
 
 
+_I = torch.zeros(2, 4, dtype=torch.int32)
+_V = torch.zeros(2, 4)
+
+# TypeError for a wrong type or dtype, ValueError for a wrong shape, size or value: the
+# rule of every checker in triton_kernels (a wrong dtype's DtypeError is both).
+TYPED_BAD_ARGUMENTS = [
+    (([[0, 1]], _V, None, 4, 1.0, None), TypeError, "indices and values must be tensors"),
+    ((_I, _V.tolist(), None, 4, 1.0, None), TypeError, "indices and values must be tensors"),
+    ((_I.long(), _V, None, 4, 1.0, None), TypeError, "indices must be"),
+    ((_I, _V.half(), None, 4, 1.0, None), TypeError, "values must be"),
+    ((_I[0], _V[0], None, 4, 1.0, None), ValueError, "indices must be"),
+    ((_I, _V, None, 4.0, 1.0, None), TypeError, "numel must be an int"),
+    ((_I, _V, None, True, 1.0, None), TypeError, "numel must be an int"),
+    ((_I, _V, None, 2**31, 1.0, None), ValueError, "numel must be"),
+    ((_I, _V, [1.5, 2], 4, 1.0, None), TypeError, "counts must"),
+    ((_I, _V, [1, 2, 3], 4, 1.0, None), ValueError, "counts must"),
+    ((_I, _V, None, 4, 1.0, [0.0] * 4), TypeError, "out must be"),
+    ((_I, _V, None, 4, 1.0, torch.zeros(4, dtype=torch.float64)), TypeError, "out must be"),
+    ((_I, _V, None, 4, 1.0, torch.zeros(5)), ValueError, "out must be"),
+    ((_I, _V, None, 4, 1.0, "strided"), ValueError, "out must be"),
+]
+
+
+@pytest.mark.parametrize("args, error, message", TYPED_BAD_ARGUMENTS)
+@pytest.mark.parametrize("impl", ["kernel", "cpu"])
+def test_bad_arguments_error_types(args, error, message, impl):
+    fn = scatter_add if impl == "kernel" else scatter_module.scatter_add_cpu
+    device = DEVICE if impl == "kernel" else "cpu"
+    *args, out = (a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    if isinstance(out, str):  # a non-contiguous out, made on its device (.to() would copy)
+        out = torch.zeros(8, device=device)[::2]
+    with pytest.raises(error, match=message):
+        fn(*args, out=out)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "ref", "cpu"])
+@pytest.mark.parametrize("numel", [1, 7, SMALL_TILE + 1, 1000])
+def test_out_is_overwritten_and_returned(impl, numel):
+    fn = {
+        "kernel": scatter_add,
+        "ref": scatter_add_ref,
+        "cpu": scatter_module.scatter_add_cpu,
+    }[impl]
+    device = "cpu" if impl == "cpu" else DEVICE
+    gen = torch.Generator().manual_seed(numel)
+    counts = [numel // 2, numel, 0]
+    values = torch.randn(3 * (numel + 1), generator=gen)
+    indices, values = random_messages(3, numel, counts, 1, values, numel, device=device)
+    expected = scatter_add_ref(indices, values, counts, numel, 0.25)
+    # Garbage (NaN) in out must not leak into the sum: out is overwritten, not added to.
+    for out in [torch.full((numel,), math.nan, device=device), torch.empty(1, numel)]:
+        out = out.to(device)
+        with small_tiles():
+            result = fn(indices, values, counts, numel, 0.25, out=out)
+        assert result is out
+        assert_same_bits(out.reshape(-1), expected, "sum written into out")
+    # With nothing to add, out is zeroed.
+    out = torch.full((numel,), math.nan, device=device)
+    assert fn(indices[:, :0].contiguous(), values[:, :0].contiguous(), None, numel, 1.0,
+              out=out) is out  # fmt: skip
+    assert out.view(torch.int32).eq(0).all()
+
+
+def test_out_allocates_no_output():
+    # The kernel writes into out: no new numel-sized buffer (the only allocations left are
+    # the small tile-bounds scratch).
+    numel = 5 * SMALL_TILE
+    indices, values = random_messages(2, numel, [10, 20], 0, torch.randn(40), 0)
+    out = torch.empty(numel, device=DEVICE)
+    allocated = []
+    real_empty = torch.empty
+
+    def spy(*size, **kwargs):
+        tensor = real_empty(*size, **kwargs)
+        allocated.append(tensor.numel())
+        return tensor
+
+    with small_tiles(), mock.patch.object(scatter_module.torch, "empty", spy):
+        scatter_add(indices, values, [10, 20], numel, 0.5, out=out)
+    assert numel not in allocated
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_devices_differ():

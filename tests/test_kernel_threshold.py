@@ -108,12 +108,31 @@ def test_special_values():
     grad = torch.tensor([nan, -0.0, 0.0, inf, -inf, 1.0, -1.0, 1e-45, -3.4028235e38, 5.0])
     residual = torch.tensor([1.0, -0.0, -0.0, 1.0, 0.0, nan, -1.0, 0.0, -3.4028235e38, -5.0])
     for threshold in [0.0, 1.0, 3.4028235e38, inf]:
-        _, _, new_residual = check_against_ref(grad.to(DEVICE), residual.to(DEVICE), threshold)
-        # NaN is never sent: it stays in the residual.
-        assert new_residual[0].isnan() and new_residual[5].isnan()
+        indices, values, new_residual = check_against_ref(
+            grad.to(DEVICE), residual.to(DEVICE), threshold
+        )
+        # NaN is always sent, so nothing of it stays in the residual.
+        assert {0, 5} <= set(indices.tolist())
+        assert values[indices.tolist().index(0)].isnan()
+        assert new_residual[0] == 0 and new_residual[5] == 0
     indices, values, _ = check_against_ref(grad.to(DEVICE), residual.to(DEVICE), inf)
-    # Only the infinities reach an infinite threshold (-3.4e38 twice overflows to -inf).
-    assert indices.tolist() == [3, 4, 8]
+    # Only the infinities (-3.4e38 twice overflows to -inf) and the NaNs reach an infinite
+    # threshold.
+    assert indices.tolist() == [0, 3, 4, 5, 8]
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+def test_non_finite_is_always_sent(threshold):
+    # A non-finite acc always shows in the message, whatever the threshold: NaN fails
+    # `abs(acc) < t` as inf does.
+    nan, inf = math.nan, math.inf
+    grad = torch.tensor([nan, 1.0, -nan, inf, 0.5, -inf, 2.0, 3.4028235e38], device=DEVICE)
+    residual = torch.tensor([0.0, nan, 0.0, -1.0, 0.0, 0.0, -2.0, 3.4028235e38], device=DEVICE)
+    indices, _, new_residual = check_against_ref(grad, residual, threshold)
+    assert {0, 1, 2, 3, 5, 7} <= set(indices.tolist())
+    assert not new_residual.isnan().any() and new_residual.isfinite().all()
+    indices, _, _ = check_against_ref(grad, None, threshold)
+    assert {0, 2, 3, 5} <= set(indices.tolist())
 
 
 def test_negative_zero_is_sent_at_threshold_zero():
@@ -152,20 +171,23 @@ def test_empty():
 
 
 BAD_ARGUMENTS = [
-    ((torch.zeros(2, 2), None, 1.0), "1-D contiguous float32"),
-    ((torch.zeros(4, dtype=torch.float64), None, 1.0), "1-D contiguous float32"),
-    ((torch.zeros(4), torch.zeros(5), 1.0), "residual must be"),
-    ((torch.zeros(4), torch.zeros(4, dtype=torch.float16), 1.0), "residual must be"),
-    ((torch.zeros(4), None, -1.0), "threshold must be a float >= 0"),
-    ((torch.zeros(4), None, math.nan), "threshold must be a float >= 0"),
-    (([0.0, 1.0], None, 1.0), "grad must be a torch.Tensor"),
+    ((torch.zeros(2, 2), None, 1.0), ValueError, "1-D contiguous float32"),
+    ((torch.zeros(4, dtype=torch.float64), None, 1.0), TypeError, "1-D contiguous float32"),
+    ((torch.zeros(4), torch.zeros(5), 1.0), ValueError, "residual must be"),
+    ((torch.zeros(4), torch.zeros(4, dtype=torch.float16), 1.0), TypeError, "residual must be"),
+    ((torch.zeros(4), [0.0] * 4, 1.0), TypeError, "residual must be"),
+    ((torch.zeros(4), None, -1.0), ValueError, "threshold must be a float >= 0"),
+    ((torch.zeros(4), None, math.nan), ValueError, "threshold must be a float >= 0"),
+    ((torch.zeros(4), None, "1.0"), TypeError, "threshold must be a float >= 0"),
+    ((torch.zeros(4), None, None), TypeError, "threshold must be a float >= 0"),
+    (([0.0, 1.0], None, 1.0), TypeError, "grad must be a torch.Tensor"),
 ]
 
 
-@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
-def test_bad_arguments(args, message):
+@pytest.mark.parametrize("args, error, message", BAD_ARGUMENTS)
+def test_bad_arguments(args, error, message):
     args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         threshold_compress(*args)
 
 

@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sparsecomm.triton_kernels import topk as topk_module
@@ -99,13 +99,13 @@ def topk_cases(draw, max_size: int = 3000):
     return grad, residual, max(0, k)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(case=topk_cases())
 def test_matches_reference(case):
     assert_matches_reference(*case)
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(case=topk_cases(max_size=700))
 def test_matches_reference_with_small_tiles(case):
     with small_tiles():
@@ -218,21 +218,80 @@ def test_keys_differing_only_in_low_digits():
 
 
 def _sampled(n: int, k: int) -> torch.Tensor:
+    """Where the kernel samples, by the torch copy of its hash (``_sample_positions_ref``).
+    ``test_kernel_samples_the_reference_positions`` checks the kernel against it."""
     samples, stride, _ = topk_module._sample_bound(n, k)
     return topk_module._sample_positions_ref(samples, stride)
 
 
-def _reach_sample_bound(acc: torch.Tensor, k: int) -> int:
-    """How many elements of ``acc`` reach the bound the kernel takes from its sample: a
-    torch re-derivation, so a test can show which path its input takes."""
-    samples, stride, m = topk_module._sample_bound(acc.numel(), k)
+class _StopAfterSample(Exception):
+    pass
+
+
+def kernel_trace(grad: torch.Tensor, residual: torch.Tensor | None, k: int, full: bool = True):
+    """Run ``topk_compress`` and record what its own kernels decided: ``sample_hist`` (the
+    sample kernel's histogram of fine key bins, its copies added up), ``bound`` (the key
+    the sample kernel chose as the lower bound for candidates, a uint32), and, with
+    ``full``, ``total`` (how many elements the pass kept as candidates: fewer than ``k``
+    means the kernel took its every-element fallback) and ``out`` (its result). Without
+    ``full`` it stops after the sample kernel, which reads only the sampled elements, so
+    tensors of millions of elements stay cheap in the interpreter."""
+    record = {}
+    real_sample, real_candidates = (
+        topk_module._topk_sample_kernel,
+        topk_module._topk_candidates_kernel,
+    )
+
+    class Sample:
+        def __getitem__(self, grid):
+            def launch(grad_ptr, acc_ptr, sample_hist, done, window, *args, **kwargs):
+                real_sample[grid](grad_ptr, acc_ptr, sample_hist, done, window, *args, **kwargs)
+                copies = sample_hist.view(kwargs["COPIES"], -1)
+                record["sample_hist"] = copies.sum(0).cpu()
+                record["bound"] = int(window.item()) & 0xFFFFFFFF
+                if not full:
+                    raise _StopAfterSample
+
+            return launch
+
+    class Candidates:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                real_candidates[grid](*args, **kwargs)
+                record["total"] = int(args[6].item())  # (grad, acc, window, ..., total, n)
+
+            return launch
+
+    with mock.patch.multiple(
+        topk_module, _topk_sample_kernel=Sample(), _topk_candidates_kernel=Candidates()
+    ):
+        try:
+            record["out"] = topk_compress(grad, residual, k)
+        except _StopAfterSample:
+            pass
+    return record
+
+
+def _fine(acc: torch.Tensor) -> torch.Tensor:
+    """The fine bin of each element's key, as the kernel computes it: (bits << 1) >> 19."""
     keys = (acc.view(torch.int32).to(torch.int64) << 1) & 0xFFFFFFFF
-    fine = keys >> (32 - topk_module._FINE_BITS)
-    sampled = fine[_sampled(acc.numel(), k).to(acc.device)]
-    if m > samples:
-        return acc.numel()
-    bound = sampled.sort(descending=True).values[m - 1]
-    return int((fine >= bound).sum())
+    return keys >> (32 - topk_module._FINE_BITS)
+
+
+def _kernel_reach(acc: torch.Tensor, k: int) -> int:
+    """How many elements reach the bound the kernel's own sample sets for this ``k``:
+    the kernel's sample kernel picks the bound, torch counts the keys at or above it (the
+    candidates pass keeps exactly those)."""
+    bound = kernel_trace(acc, None, k, full=False)["bound"]
+    keys = (acc.view(torch.int32).to(torch.int64) << 1) & 0xFFFFFFFF
+    return int((keys >= bound).sum())
+
+
+def _assert_same_as_reference(record, grad, k):
+    ref_index, ref_value = topk_compress_ref(grad.clone(), None, k)
+    index, value = record["out"]
+    assert torch.equal(index, ref_index), _first_difference("indices", ref_index, index)
+    assert torch.equal(_bits(value), _bits(ref_value))
 
 
 def _planted(n: int, seed: int, rest: float, sampled_value: float) -> torch.Tensor:
@@ -247,27 +306,49 @@ def _planted(n: int, seed: int, rest: float, sampled_value: float) -> torch.Tens
 
 def test_sample_bound_too_high_falls_back():
     # Every sampled position holds a large value, the rest small ones: the sample puts its
-    # bound above all but the sampled elements, fewer than k, so every element becomes a
-    # candidate. The result must not change.
+    # bound above all but the sampled elements, fewer than k, so the kernel must make every
+    # element a candidate. Its own counters show it did; the result must not change.
     with small_tiles():
         n = 1000
         samples = _sampled(n, 1).numel()
-        grad = _planted(n, seed=2, rest=0.0, sampled_value=100.0)
+        grad = _planted(n, seed=2, rest=0.0, sampled_value=100.0).to(DEVICE)
+        planted_bins = _fine(torch.tensor([100.0]))
         for k in [samples + 1, 200, 300]:
-            assert _reach_sample_bound(grad, k) < k
-            assert_matches_reference(grad, None, k)
+            record = kernel_trace(grad.clone(), None, k)
+            hist = record["sample_hist"]
+            # The kernel sampled exactly the planted positions: every sampled key is large.
+            assert int(hist[int(planted_bins) :].sum()) == samples == int(hist.sum())
+            assert record["total"] < k, record["total"]  # too few: the kernel's fallback
+            _assert_same_as_reference(record, grad, k)
             assert_matches_reference(grad, torch.zeros(n), k)
 
 
 def test_sample_bound_below_every_element():
-    # The sample sees only the small values: its bound keeps almost every element.
+    # The sample sees only the small values: its bound keeps almost every element, and the
+    # kernel has enough candidates without the fallback.
     with small_tiles():
         n = 640
         samples = _sampled(n, 1).numel()
-        grad = _planted(n, seed=4, rest=100.0, sampled_value=1e-3)
+        grad = _planted(n, seed=4, rest=100.0, sampled_value=1e-3).to(DEVICE)
         for k in [1, 10, 300]:
-            assert _reach_sample_bound(grad, k) >= n - samples
-            assert_matches_reference(grad, torch.randn(n), k)
+            record = kernel_trace(grad.clone(), None, k)
+            assert record["total"] >= n - samples and record["total"] >= k, record["total"]
+            _assert_same_as_reference(record, grad, k)
+            assert_matches_reference(grad, torch.randn(n).to(DEVICE), k)
+
+
+@pytest.mark.parametrize("n", [5, 64, 1000, 10**6 + 3])
+def test_kernel_samples_the_reference_positions(n):
+    # A 1.0 at each position _sample_positions_ref names, zeros elsewhere: the kernel's
+    # histogram must hold every sampled key in the bin of 1.0 (with the residual added,
+    # as the kernel adds it before it samples).
+    samples = _sampled(n, 1).numel()
+    grad = torch.zeros(n)
+    grad[_sampled(n, 1)] = 0.5
+    residual = torch.zeros(n)
+    residual[_sampled(n, 1)] = 0.5
+    hist = kernel_trace(grad.to(DEVICE), residual.to(DEVICE), 1, full=False)["sample_hist"]
+    assert int(hist[int(_fine(torch.tensor([1.0])))]) == samples == int(hist.sum())
 
 
 def test_sample_positions():
@@ -294,7 +375,7 @@ def test_sample_bound_on_low_rank_weight_gradients(seed):
     x = torch.randn(batch, width, generator=gen) * torch.rand(width, generator=gen) ** 4
     grad = (torch.randn(batch, width, generator=gen).T @ x).reshape(-1)
     for k in [grad.numel() // 1000, grad.numel() // 100]:
-        reached = _reach_sample_bound(grad, k)
+        reached = _kernel_reach(grad.to(DEVICE), k)
         assert k <= reached <= 2.5 * k, (k, reached)
 
 
@@ -304,7 +385,7 @@ def test_sample_bound_is_tight_on_gradient_like_data():
     gen = torch.Generator().manual_seed(9)
     acc = torch.randn(10**6, generator=gen)
     for k in [10**3, 10**4, 10**5]:
-        reached = _reach_sample_bound(acc, k)
+        reached = _kernel_reach(acc.to(DEVICE), k)
         assert k <= reached <= 1.8 * k + 200, (k, reached)
 
 
@@ -398,7 +479,9 @@ def test_gpu_sample_bound_too_high():
     grad = _gpu_inputs("normal", n, seed=5)
     grad[sampled] += 1e3
     k = 2 * sampled.numel()
-    assert _reach_sample_bound(grad, k) < k
+    record = kernel_trace(grad.clone(), None, k)
+    assert record["total"] < k, record["total"]  # the kernel took its fallback
+    _assert_same_as_reference(record, grad, k)
     assert_matches_reference(grad, _gpu_inputs("normal", n, seed=6), k)
 
 

@@ -1,4 +1,6 @@
-"""The planner's figures against hand computations, its unit parsing, errors and CLI."""
+"""The planner's figures against hand computations, its step model (compute, compression,
+overlap), its unit parsing, errors and CLI, and its pick on the rows benchmarks/bench_network.py
+measured."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from sparsecomm.plan import (
     comm_time,
     crossover_density,
     format_plan,
+    measure_compress_costs,
     num_buckets,
     parse_bandwidth,
+    parse_compress_costs,
     parse_count,
     parse_latency,
+    pick,
     plan,
     recommend,
 )
@@ -31,27 +36,28 @@ def rows_by_name(rows):
     return {row.name: row for row in rows}
 
 
-# --------------------------------------------------------------------------- DESIGN.md's numbers
+# --------------------------------------------------------------------------- the worked example
+# 1e8 fp32 gradients on 8 ranks over 25 Gbit/s: about 220 ms dense, a crossover at 1/W.
 
 
-def test_design_dense_allreduce_1e8_fp32_at_w8_25gbit_is_about_220ms():
+def test_dense_allreduce_1e8_fp32_at_w8_25gbit_is_about_220ms():
     # 2 (W-1)/W * 4 B * n = 2 * 7/8 * 4 * 1e8 = 7e8 bytes; 7e8 B / 3.125e9 B/s = 0.224 s.
     nbytes = allreduce_bytes(1e8, 8, 4)
     assert nbytes == 7e8
     seconds = comm_time(nbytes, parse_bandwidth("25Gbit"))
     assert seconds == pytest.approx(0.224, rel=1e-12)
-    assert 0.2 < seconds < 0.25  # DESIGN.md: "~220 ms"
+    assert 0.2 < seconds < 0.25  # "about 220 ms"
 
 
 @pytest.mark.parametrize(
     "world_size, expected",
     [
         (8, 0.125),  # 1/8 = 12.5%
-        (64, 0.015625),  # 1/64 = 1.5625%, DESIGN.md's "1.6%"
+        (64, 0.015625),  # 1/64 = 1.5625%, "1.6%" rounded
         (2, 0.5),
     ],
 )
-def test_design_crossover_is_one_over_w_for_8_byte_pairs(world_size, expected):
+def test_crossover_is_one_over_w_for_8_byte_pairs(world_size, expected):
     assert crossover_density(world_size) == expected
     # At the crossover the two byte counts are equal: (W-1) * (n/W) * 8 == 2 (W-1)/W * 4 n.
     n = 1e8
@@ -153,8 +159,13 @@ def test_single_rank_communicates_nothing():
 
 
 def test_recommendation_follows_the_model():
-    # W=8, 1e8: TopK 1% (17.9 ms) beats Cast bf16 (112 ms); 10% (179 ms) does not.
-    assert "TopK(density=0.01)" in recommend(plan(1e8, 8, GBIT_25), 8)
+    # W=8, 1e8, communication only: TopK 0.1% (1.79 ms) < 1% (17.9 ms) < Cast bf16 (112 ms)
+    # < TopK 10% (179 ms) < Dense (224 ms). The step is the exchange alone, so the least
+    # communication wins; 1% is named only when it is within 10% of the pick.
+    assert recommend(plan(1e8, 8, GBIT_25), 8).startswith("Use TopK(density=0.001)")
+    assert recommend(plan(1e8, 8, GBIT_25, densities=(0.01, 0.1)), 8).startswith(
+        "Use TopK(density=0.01)"
+    )
     # W=64: 1% moves 63 * 0.01 * 8 = 5.04 B/element, more than bf16's 2 * 63/64 * 2 = 3.94:
     # only 0.1% beats bf16; without it the answer is Cast(torch.bfloat16).
     assert "TopK(density=0.001)" in recommend(plan(1.3e9, 64, GBIT_25), 64)
@@ -263,14 +274,15 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_design_case():
+def test_cli_worked_example():
     result = run_cli("--params", "1e8", "--world-size", "8", "--bandwidth", "25Gbit")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     dense_line = next(line for line in out.splitlines() if line.startswith("| Dense fp32"))
     assert "700 MB" in dense_line and "224 ms" in dense_line, dense_line
     assert "12.5% = 1/W" in out
-    assert "Recommendation: Use TopK(density=0.01)" in out
+    assert "Recommendation: Use TopK(density=0.001)" in out  # 1.79 ms of communication
+    assert "| compress |" not in out  # no step model asked for: the old table
 
 
 def test_cli_large_model_with_latency():
@@ -299,3 +311,241 @@ def test_cli_bad_input_exits_2_with_the_fix(args, words):
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     missing = [word for word in words if word not in result.stderr]
     assert not missing, f"stderr {result.stderr!r} lacks {missing}"
+
+
+# --------------------------------------------------------------------------- the step model
+
+
+def test_step_model_adds_compute_compression_and_exposed_communication():
+    # n=1e6, W=4, 1 GB/s, no latency; compute 50 ms; topk 10 ns/element, cast 2 ns; overlap 0.
+    rows = rows_by_name(
+        plan(
+            1e6,
+            4,
+            1e9,
+            densities=(0.01,),
+            compress_ns_per_element={"topk": 10, "cast": 2},
+            compute_seconds=0.05,
+            backward_seconds=0.03,
+            overlap=0.0,
+        )
+    )
+    # Dense: 6e6 B -> 6 ms, nothing to compress: 50 + 6 = 56 ms.
+    assert rows["Dense fp32"].compress_s == 0
+    assert rows["Dense fp32"].step_s == pytest.approx(0.056, rel=1e-12)
+    # Cast bf16: 3e6 B -> 3 ms; 2e-9 s * 1e6 = 2 ms: 50 + 2 + 3 = 55 ms.
+    assert rows["Cast bf16"].compress_s == pytest.approx(2e-3, rel=1e-12)
+    assert rows["Cast bf16"].step_s == pytest.approx(0.055, rel=1e-12)
+    # TopK 1%: 2.4e5 B -> 0.24 ms; 10 ms compressing: 60.24 ms.
+    assert rows["TopK 1%"].step_s == pytest.approx(0.06024, rel=1e-12)
+    # Threshold is not in the mapping: costs nothing; 240024 B -> 50.240024 ms: the fastest.
+    assert rows["Threshold 1%"].step_s == pytest.approx(0.050240024, rel=1e-12)
+    assert pick(list(rows.values())).name == "Threshold 1%"
+    # time_s and speedup stay the communication figures.
+    assert rows["Dense fp32"].time_s == pytest.approx(6e-3, rel=1e-12)
+    assert rows["Cast bf16"].speedup == pytest.approx(2.0, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overlap, backward, exposed",
+    [
+        (1.0, 0.004, 0.002),  # 6 ms of communication, 4 ms hidden
+        (0.5, 0.004, 0.004),  # half of 4 ms hidden
+        (1.0, 0.03, 0.0),  # all of it hidden: nothing left to show
+        (0.0, 0.03, 0.006),  # an exchange after backward hides nothing
+    ],
+)
+def test_overlap_hides_communication_up_to_backward(overlap, backward, exposed):
+    (dense, *_) = plan(
+        1e6, 4, 1e9, compute_seconds=0.05, backward_seconds=backward, overlap=overlap
+    )
+    assert dense.exposed_s == pytest.approx(exposed, abs=1e-15)
+    assert dense.step_s == pytest.approx(0.05 + exposed, rel=1e-12)
+
+
+def test_compression_cost_decides_between_links():
+    # 1.44e7 parameters on 2 ranks; compute 0.6 s; topk 10 ns/element, cast 3 ns.
+    model = dict(
+        densities=(0.01, 0.001),
+        compress_ns_per_element={"topk": 10.0, "cast": 3.0, "threshold": 4.0},
+        compute_seconds=0.6,
+    )
+    # 1.2 GB/s per rank: Dense 2 * 1/2 * 4 * 1.44e7 / 1.2e9 = 48 ms; Cast 24 + 43.2 ms;
+    # TopK 1% 0.96 + 144 ms: compression costs more than it saves.
+    fast = plan(1.44e7, 2, 1.2e9, **model)
+    assert pick(fast).name == "Dense fp32"
+    assert recommend(fast, 2).startswith("Use Dense() (or plain DistributedDataParallel)")
+    # 150 Mbit/s per rank (1.875e7 B/s): Dense 3.07 s; Threshold 0.1%: 1.44e4 pairs * 8 B
+    # + an 8-byte count for each of the 3 buckets (6553600 fp32 each) = 115224 B -> 6.15 ms,
+    # + 57.6 ms: the fastest; TopK 0.1% 6.14 + 144 ms.
+    slow = plan(1.44e7, 2, 1.875e7, **model)
+    best = pick(slow)
+    assert best.name == "Threshold 0.1%"
+    assert best.step_s == pytest.approx(0.6 + 0.0576 + 115224 / 1.875e7, rel=1e-12)
+    assert rows_by_name(slow)["TopK 0.1%"].step_s == pytest.approx(
+        0.6 + 0.144 + 115200 / 1.875e7, rel=1e-12
+    )
+
+
+def test_ties_go_to_the_less_aggressive_compressor():
+    rows = plan(1e6, 4, 1e9, densities=(0.1, 0.01))
+    # fp16 and bf16 move the same bytes; bf16 is named (no overflow to fear).
+    tied = [r for r in rows if r.name.startswith("Cast")]
+    assert pick(tied).name == "Cast bf16"
+    # Everything hidden behind backward: every row takes the compute alone; Dense wins.
+    hidden = plan(1e6, 4, 1e9, compute_seconds=1.0, backward_seconds=0.5)
+    assert pick(hidden).name == "Dense fp32"
+
+
+def test_a_gentler_density_within_ten_percent_is_named():
+    # compute 1 s dominates: TopK 0.1% and 1% differ by (7e5 - 7e4) B... both within 10%.
+    rows = plan(1e7, 8, 1e9, densities=(0.01, 0.001), compute_seconds=1.0)
+    text = recommend(rows, 8)
+    assert text.startswith("Use TopK(density=0.001)")
+    assert "TopK(density=0.01) is within" in text and "10x more" in text
+
+
+def test_parse_compress_costs():
+    assert parse_compress_costs("4.5") == 4.5
+    assert parse_compress_costs("topk=9, Cast=1.5,threshold=3") == {
+        "topk": 9.0,
+        "cast": 1.5,
+        "threshold": 3.0,
+    }
+    # A single number applies to every compressor but Dense; a kind maps to its rows.
+    rows = rows_by_name(plan(1e6, 4, 1e9, compress_ns_per_element=4.0))
+    assert rows["Dense fp32"].compress_s == 0
+    assert rows["TopK 1%"].compress_s == pytest.approx(4e-3, rel=1e-12)
+    rows = rows_by_name(plan(1e6, 4, 1e9, compress_ns_per_element={"fp16": 1, "cast": 2}))
+    assert rows["Cast fp16"].compress_s == pytest.approx(1e-3, rel=1e-12)
+    assert rows["Cast bf16"].compress_s == pytest.approx(2e-3, rel=1e-12)
+    rows = rows_by_name(plan(1e6, 4, 1e9, compress_ns_per_element={"TopK 1%": 7, "topk": 1}))
+    assert rows["TopK 1%"].compress_s == pytest.approx(7e-3, rel=1e-12)
+    assert rows["TopK 0.1%"].compress_s == pytest.approx(1e-3, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: plan(1e6, 4, 1e9, overlap=1.5), ["overlap", "[0, 1]"]),
+        (lambda: plan(1e6, 4, 1e9, backward_seconds=0.1), ["backward_seconds", "compute"]),
+        (lambda: plan(1e6, 4, 1e9, compute_seconds=-1.0), ["compute_seconds", ">= 0"]),
+        (lambda: plan(1e6, 4, 1e9, compress_ns_per_element=-1.0), ["compress", ">= 0"]),
+        (lambda: plan(1e6, 4, 1e9, compress_ns_per_element={"topk": -1}), ["TopK", ">= 0"]),
+        (lambda: plan(1e6, 4, 1e9, threshold_densities=(2.0,)), ["densities", "0.01"]),
+        (lambda: parse_compress_costs("fast"), ["compress", "topk=9"]),
+        (lambda: parse_compress_costs("gpu=3"), ["kinds", "threshold"]),
+        (lambda: parse_compress_costs("topk=-2"), [">= 0"]),
+    ],
+)
+def test_step_model_bad_input_raises_value_error(call, words):
+    with pytest.raises(ValueError) as info:
+        call()
+    missing = [word for word in words if word not in str(info.value)]
+    assert not missing, f"error message {info.value!s} lacks {missing}"
+
+
+def test_measure_compress_costs_times_every_row():
+    costs = measure_compress_costs(3e5, densities=(0.01,), repeats=1, bucket_cap_mb=0.5)
+    assert list(costs) == ["Dense fp32", "Cast fp16", "Cast bf16", "TopK 1%", "Threshold 1%"]
+    assert all(ns >= 0 for ns in costs.values()), costs
+    assert costs["TopK 1%"] > costs["Dense fp32"], costs  # Dense compresses nothing
+
+
+def test_cli_step_model():
+    result = run_cli(
+        "--params", "14.4M", "--world-size", "2", "--bandwidth", "150Mbit",
+        "--densities", "0.01,0.001", "--compute-seconds", "600ms",
+        "--compress-ns-per-element", "topk=10,cast=3,threshold=4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| compress |     step |" in result.stdout
+    assert "step = compute 600 ms" in result.stdout
+    # As computed above (test_compression_cost_decides_between_links).
+    assert "Recommendation: Use Threshold(t) (t giving 0.1%) with error_feedback" in result.stdout
+
+
+def test_cli_measure():
+    result = run_cli(
+        "--params", "2e5", "--world-size", "2", "--bandwidth", "1Gbit", "--measure",
+        "--densities", "0.01", "--compress-ns-per-element", "threshold=0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Measured here (compress + aggregate, 2e+05 elements" in result.stdout
+    line = next(row for row in result.stdout.splitlines() if row.startswith("| Threshold 1%"))
+    compress_cell = line.split("|")[5]
+    assert compress_cell.strip() == "0 us", line  # the given value overrides the measured one
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--compute-seconds", "0.5"], ["--compute-seconds", "0.8s"]),
+        (["--compress-ns-per-element", "lots"], ["compress", "topk=9"]),
+        (["--overlap", "2"], ["overlap", "[0, 1]"]),
+    ],
+)
+def test_cli_step_model_bad_input_exits_2(args, words):
+    result = run_cli("--params", "1e8", "--world-size", "8", "--bandwidth", "25Gbit", *args)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    missing = [word for word in words if word not in result.stderr]
+    assert not missing, f"stderr {result.stderr!r} lacks {missing}"
+
+
+# --------------------------------------------------------------------------- measured rows
+# benchmarks/bench_network.py, 2026-12-03 (benchmarks/RESULTS.md, docs/network/): 14417920
+# parameters on 2 gloo ranks, loopback shaped with tc; sparsecomm as committed at 0357e72
+# (exchange after backward: overlap 0). Per rate: per-rank bandwidth (measured through-lo rate
+# / 2), the 1-float all-reduce (s), the `none` row's step (s), the compress + aggregate cost per
+# element of each row from its profiled steps (ns), and each row's measured median step (s).
+MEASURED = {
+    "unshaped": (
+        864926414.7,
+        4.928e-4,
+        0.4496,
+        {"Dense fp32": 0.303, "Cast bf16": 9.935, "Threshold 1.02%": 8.228,
+         "TopK 1%": 51.338, "TopK 0.1%": 36.913},
+        {"Dense fp32": 0.5834, "Cast bf16": 0.6912, "Threshold 1.02%": 0.7377,
+         "TopK 1%": 1.2863, "TopK 0.1%": 1.1008},
+    ),
+    "1gbit": (
+        61416277.5,
+        7.773e-4,
+        0.4933,
+        {"Dense fp32": 0.228, "Cast bf16": 10.923, "Threshold 1.02%": 9.041,
+         "TopK 1%": 53.671, "TopK 0.1%": 43.11},
+        {"Dense fp32": 1.462, "Cast bf16": 1.1211, "Threshold 1.02%": 0.8135,
+         "TopK 1%": 1.3717, "TopK 0.1%": 1.2637},
+    ),
+    "300mbit": (
+        18835871.7,
+        2.120e-4,
+        0.4136,
+        {"Dense fp32": 0.3, "Cast bf16": 9.091, "Threshold 1.02%": 5.656,
+         "TopK 1%": 48.056, "TopK 0.1%": 37.98},
+        {"Dense fp32": 3.6444, "Cast bf16": 2.162, "Threshold 1.02%": 0.7428,
+         "TopK 1%": 1.3872, "TopK 0.1%": 1.1296},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rate", list(MEASURED))
+def test_planner_picks_the_measured_fastest_row(rate):
+    bandwidth, small_allreduce, compute, costs, measured = MEASURED[rate]
+    rows = plan(
+        14417920,
+        2,
+        bandwidth,
+        latency=small_allreduce / 2,  # 2 (W-1) latency terms in one all-reduce
+        densities=(0.01, 0.001),
+        threshold_densities=(0.0102,),
+        compress_ns_per_element=costs,
+        compute_seconds=compute,
+        overlap=0.0,
+    )
+    candidates = [r for r in rows if r.name in measured]
+    assert len(candidates) == len(measured)
+    fastest = min(measured, key=measured.get)
+    assert pick(candidates).name == fastest
+    # Dense() on the unshaped link, Threshold(t) on 1gbit and 300mbit.
+    assert fastest == ("Dense fp32" if rate == "unshaped" else "Threshold 1.02%")

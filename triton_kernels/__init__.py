@@ -1,8 +1,9 @@
 """Compression kernels of sparsecomm, installed as ``sparsecomm.triton_kernels``.
 
 One module per operation; each holds the ``@triton.jit`` kernel, its launcher and the
-pure-torch reference (``*_ref``) that defines what the kernel computes. The references
-are also the CPU path. ``sparsecomm._ops`` picks one of the two for each call.
+pure-torch reference (``*_ref``) that defines what the kernel computes, and a fast CPU
+version (``*_cpu``) with the same signature and the same bits as the reference.
+``sparsecomm._ops`` picks one of them for each call.
 
 =================  ==========================================================
 module             operation
@@ -12,4 +13,11 @@ module             operation
 ``cast``           error-feedback cast to fp16 / bf16
 ``scatter_add``    deterministic sum of W ranks' (index, value) messages
 =================  ==========================================================
+
+``MAX_NUMEL`` (``2**31 - 1``, from ``_checks``) is the one definition of the int32 index
+limit: the most elements a flat tensor passed to any of these operations may hold.
 """
+
+from ._checks import MAX_NUMEL, DtypeError
+
+__all__ = ["MAX_NUMEL", "DtypeError"]

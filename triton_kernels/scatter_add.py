@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from . import _cpu
+from ._checks import MAX_NUMEL, DtypeError, check_out
 
 # Elements of the output each program owns: it zeroes them, then adds every rank's pairs
 # that fall inside, rank after rank. Each program is a chain of dependent loads (bounds,
@@ -110,6 +114,8 @@ def scatter_add(
     counts: Sequence[int] | None,
     numel: int,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`scatter_add_ref`, the same bits, without float atomics.
 
@@ -128,9 +134,11 @@ def scatter_add(
         counts: the number of real entries of each row, or ``None`` when all ``m`` are.
         numel: length of the dense output.
         scale: multiplied into each value before it is added, in float32 as torch does.
+        out: a contiguous float32 tensor of ``numel`` elements on ``values``' device to
+            write the sum into (all of it is overwritten), instead of a new one.
 
     Returns:
-        A float32 tensor of ``numel`` elements.
+        A float32 tensor of ``numel`` elements: ``out`` when given.
 
     Example:
         >>> indices = torch.tensor([[0, 2], [2, 3]], dtype=torch.int32, device="cuda")
@@ -138,21 +146,18 @@ def scatter_add(
         >>> scatter_add(indices, values, None, 5, 0.5).tolist()
         [0.5, 0.0, 2.5, 2.0, 0.0]
     """
-    _check_scatter_args(indices, values, numel)
+    count_list = _check_scatter_args(indices, values, counts, numel, out)
     world_size, m = indices.shape
     device = values.device
     count_tensor = None
-    if counts is not None:
-        count_list = [int(count) for count in counts]
-        if len(count_list) != world_size or not all(0 <= c <= m for c in count_list):
-            raise ValueError(
-                f"counts must hold {world_size} integers in [0, {m}] (one per row of indices), "
-                f"got {list(counts)}; pass None when every entry is real"
-            )
+    if count_list is not None:
         count_tensor = torch.tensor(count_list, dtype=torch.int32, device=device)
     if numel == 0 or world_size == 0 or m == 0:
-        return torch.zeros(numel, dtype=torch.float32, device=device)
-    out = torch.empty(numel, dtype=torch.float32, device=device)
+        if out is None:
+            return torch.zeros(numel, dtype=torch.float32, device=device)
+        return out.zero_()
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=device)
     num_tiles = triton.cdiv(numel, TILE_SIZE)
     num_bounds = num_tiles + 1
     bounds = torch.empty(world_size, num_bounds, dtype=torch.int32, device=device)
@@ -163,36 +168,68 @@ def scatter_add(
         BLOCK=SEARCH_BLOCK, num_warps=4,
     )  # fmt: skip
     _scatter_tile_kernel[(num_tiles,)](
-        indices, values, bounds, out, world_size, m, num_bounds, numel, scale,
+        indices, values, bounds, out.view(-1), world_size, m, num_bounds, numel, scale,
         TILE_SIZE=TILE_SIZE, PAIR_BLOCK=PAIR_BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
-def _check_scatter_args(indices: torch.Tensor, values: torch.Tensor, numel: int) -> None:
+def _check_scatter_args(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    counts: Sequence[int] | None,
+    numel: int,
+    out: torch.Tensor | None,
+) -> list[int] | None:
+    """Check the arguments of every scatter-add; returns ``counts`` as a list of ints.
+
+    ``TypeError`` for a non-tensor, a non-integer ``numel`` or count; ``DtypeError`` (a
+    ``TypeError`` and a ``ValueError``) for a wrong dtype; ``ValueError`` for wrong shapes,
+    layouts, devices, sizes and ranges (the same rule as ``_checks``)."""
     if not isinstance(indices, torch.Tensor) or not isinstance(values, torch.Tensor):
-        raise ValueError(
+        raise TypeError(
             f"indices and values must be tensors, got {type(indices).__name__} and "
             f"{type(values).__name__}"
         )
-    if indices.dim() != 2 or indices.dtype != torch.int32 or not indices.is_contiguous():
+    what = "indices must be a contiguous int32 tensor [world_size, m]"
+    if indices.dtype != torch.int32:
+        raise DtypeError(f"{what}, got dtype={indices.dtype}")
+    if indices.dim() != 2 or not indices.is_contiguous():
         raise ValueError(
-            "indices must be a contiguous int32 tensor [world_size, m], got "
-            f"shape={tuple(indices.shape)}, dtype={indices.dtype}, "
-            f"contiguous={indices.is_contiguous()}"
+            f"{what}, got shape={tuple(indices.shape)}, contiguous={indices.is_contiguous()}"
         )
-    if values.shape != indices.shape or values.dtype != torch.float32 or not values.is_contiguous():
+    what = f"values must be a contiguous float32 tensor with indices' shape {tuple(indices.shape)}"
+    if values.dtype != torch.float32:
+        raise DtypeError(f"{what}, got dtype={values.dtype}")
+    if values.shape != indices.shape or not values.is_contiguous():
         raise ValueError(
-            "values must be a contiguous float32 tensor with indices' shape "
-            f"{tuple(indices.shape)}, got shape={tuple(values.shape)}, dtype={values.dtype}, "
-            f"contiguous={values.is_contiguous()}"
+            f"{what}, got shape={tuple(values.shape)}, contiguous={values.is_contiguous()}"
         )
     if values.device != indices.device:
         raise ValueError(
             f"indices and values must be on one device, got {indices.device} and {values.device}"
         )
-    if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel < 2**31:
-        raise ValueError(f"numel must be an int in [0, 2**31) (indices are int32), got {numel!r}")
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
+    if not 0 <= numel <= MAX_NUMEL:
+        raise ValueError(
+            f"numel must be an int in [0, {MAX_NUMEL}] (indices are int32), got {numel!r}"
+        )
+    check_out(out, numel, values.device)
+    if counts is None:
+        return None
+    world_size, m = indices.shape
+    message = (
+        f"counts must hold {world_size} integers in [0, {m}] (one per row of indices), "
+        f"got {list(counts)}; pass None when every entry is real"
+    )
+    try:
+        count_list = [operator.index(count) for count in counts]
+    except TypeError:
+        raise TypeError(message) from None
+    if len(count_list) != world_size or not all(0 <= c <= m for c in count_list):
+        raise ValueError(message)
+    return count_list
 
 
 def scatter_add_ref(
@@ -201,6 +238,8 @@ def scatter_add_ref(
     counts: Sequence[int] | None,
     numel: int,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add rank 0's values times ``scale``, then rank 1's, ..., into zeros.
 
@@ -217,13 +256,87 @@ def scatter_add_ref(
         numel: length of the dense output.
         scale: multiplied into every value before it is added (``1 / world_size`` for an
             average).
+        out: a contiguous float32 tensor of ``numel`` elements on ``values``' device to
+            write the sum into (all of it is overwritten), instead of a new one.
 
     Returns:
-        A float32 tensor of ``numel`` elements.
+        A float32 tensor of ``numel`` elements: ``out`` when given.
     """
-    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    if out is None:
+        result = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    else:
+        check_out(out, numel, values.device)
+        result = out.view(-1).zero_()
     for rank in range(indices.shape[0]):
         count = indices.shape[1] if counts is None else counts[rank]
         rank_indices = indices[rank, :count].long()
-        out[rank_indices] += values[rank, :count] * scale
-    return out
+        result[rank_indices] += values[rank, :count] * scale
+    return result if out is None else out
+
+
+# The CPU path goes tile by tile from this many output elements on, where the output no
+# longer fits the last-level cache (2-core AMD EPYC, 32 MiB L3, 2026-12-03: 1.4e7 elements
+# with 8 x 1% pairs took 0.74 ns per element tiled against 2.0 untiled; 1e6 took 1.1 tiled
+# against 0.75 untiled).
+_TILED_MIN_NUMEL = 1 << 22
+
+
+def _ascending(row) -> bool:
+    return bool((row[1:] > row[:-1]).all())
+
+
+def scatter_add_cpu(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    counts: Sequence[int] | None,
+    numel: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fast CPU version of :func:`scatter_add_ref`: the same bits, for any unique indices.
+
+    Each rank's values are multiplied by ``scale`` (the reference's float32 multiply) and
+    added with ``index_add_`` (one float32 add per pair, as in the reference), rank after
+    rank. When every row's indices ascend (as the compressors send them) and the output
+    spans several cache-sized tiles, the work goes tile by tile, and in each tile rank by
+    rank: the same additions in the same order per element, with the tile zeroed and summed
+    in cache instead of every rank sweeping the whole output. Indices outside ``[0, numel)``
+    raise ``IndexError`` (the reference's indexing raises, or wraps negative ones).
+
+    Args and returns: as :func:`scatter_add_ref`; CPU tensors only.
+    """
+    count_list = _check_scatter_args(indices, values, counts, numel, out)
+    _cpu.require_cpu(values, "scatter_add_cpu")
+    world_size, m = indices.shape
+    if count_list is None:
+        count_list = [m] * world_size
+    result = torch.empty(numel, dtype=torch.float32) if out is None else out.view(-1)
+    rows = [rank for rank in range(world_size) if count_list[rank] > 0]
+    # One multiply for every row, padding included (the padding is never added).
+    scaled = torch.mul(values, scale)
+    if numel < _TILED_MIN_NUMEL or not all(
+        _ascending(indices[rank, : count_list[rank]].numpy()) for rank in rows
+    ):
+        result.zero_()
+        for rank in rows:
+            count = count_list[rank]
+            result.index_add_(0, indices[rank, :count], scaled[rank, :count])
+        return result if out is None else out
+    # Where each row's ascending indices cross each tile boundary.
+    edges = torch.arange(0, numel + _cpu.CHUNK, _cpu.CHUNK).clamp_(max=numel).to(torch.int32)
+    bounds = {
+        rank: torch.searchsorted(indices[rank, : count_list[rank]], edges).tolist()
+        for rank in rows
+    }
+    for rank in rows:
+        # Indices outside [0, numel) raise, as index_add_ does on the other path.
+        if bounds[rank][0] > 0 or bounds[rank][-1] < count_list[rank]:
+            raise IndexError(f"scatter_add_cpu: rank {rank} has indices outside [0, {numel})")
+    for tile, (start, end) in enumerate(_cpu.chunks(numel)):
+        result[start:end].zero_()
+        for rank in rows:
+            first, last = bounds[rank][tile], bounds[rank][tile + 1]
+            if first < last:
+                result.index_add_(0, indices[rank, first:last], scaled[rank, first:last])
+    return result if out is None else out

@@ -1,0 +1,304 @@
+"""The bucket engine: persistent flat float32 buckets that are filled, compressed and sent
+while backward runs, and finished (waited for, averaged) when the optimizer steps.
+
+One bucket's life in a step:
+
+1. **fill**: each member parameter's gradient lands in the bucket's ``grad_buffer``. An
+   fp32 parameter's ``.grad`` is a view of that buffer, so autograd accumulates straight
+   into it; a gradient that autograd allocated anew (after ``zero_grad()``) is copied once.
+2. **launch**: when the last member is filled and every earlier bucket has launched, the
+   bucket is compressed and its collective started (``async_op=True``). Buckets launch in
+   one fixed order on every rank, whatever order their gradients arrive in, so the ranks'
+   collectives always match.
+3. **finish**: wait for the collective and write the average.
+
+Error feedback without a copy: the compressors compute ``acc = grad + residual`` and write
+what they do not send back into their ``residual`` argument. The engine passes the
+buffers the other way round (``compress(grad=residual, residual=grad_buffer)``; float
+addition is commutative, so ``acc`` has the same bits), which leaves the old residual
+untouched until the step is known to be good: a step refused on every rank (a NaN
+somewhere) keeps the old residual exactly. A good step writes the average into the old
+residual's buffer, which becomes the next gradient buffer, and the other buffer becomes
+the residual: the two swap roles every step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ._comm import Communicator
+from .compressors import Compressor, Dense, Exchange
+
+# Sparse messages index a bucket with int32.
+MAX_BUCKET_NUMEL = 2**31 - 1
+
+_DENSE = Dense()
+
+
+@dataclass
+class Bucket:
+    """Parameters (all on one device) packed into one flat float32 buffer.
+
+    Attributes:
+        positions: each member's position in the optimizer's flat parameter list.
+        params: the members, in packing order.
+        offsets: where each member starts in the flat buffers.
+        numel: total elements.
+        compressed: False for a bucket of small parameters, which travel dense.
+        grad_buffer: float32, the members' gradients (and, after a step, their average).
+        residual: float32 error-feedback residual (what was not sent yet), or None when
+            the bucket keeps none.
+        filled: per member, whether its gradient is in ``grad_buffer`` this step.
+        used: per member, whether it had a gradient on this rank this step.
+        exchange: the bucket's message in flight, once launched this step.
+    """
+
+    positions: list[int] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    compressed: bool = True
+    grad_buffer: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    filled: list[bool] = field(default_factory=list)
+    used: list[bool] = field(default_factory=list)
+    exchange: Exchange | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def add(self, position: int, param: torch.Tensor) -> None:
+        self.positions.append(position)
+        self.params.append(param)
+        self.offsets.append(self.numel)
+        self.numel += param.numel()
+
+    def span(self, member: int) -> slice:
+        start = self.offsets[member]
+        return slice(start, start + self.params[member].numel())
+
+    def slices(self):
+        """``(position, param, flat slice)`` for each member."""
+        for member, (position, param) in enumerate(zip(self.positions, self.params)):
+            yield position, param, self.span(member)
+
+    def view(self, buffer: torch.Tensor, member: int) -> torch.Tensor:
+        return buffer[self.span(member)].view(self.params[member].shape)
+
+    def reset(self) -> None:
+        self.filled = [False] * len(self.params)
+        self.used = [False] * len(self.params)
+        self.exchange = None
+
+
+def build_buckets(
+    params: list[torch.Tensor],
+    cap_numel: int,
+    min_compress_numel: int,
+    keep_residual: bool,
+) -> list[Bucket]:
+    """Pack parameters into buckets of at most ``cap_numel`` elements (a larger parameter
+    gets a bucket of its own), walking them in reverse order: backward produces the last
+    layers' gradients first, so a bucket of neighbours fills at about one time. Parameters
+    with fewer than ``min_compress_numel`` elements go to separate, uncompressed buckets.
+    Buckets are ordered by when their last gradient is expected (the member registered
+    first arrives last). Every rank packs the same parameters the same way."""
+    cap_numel = min(cap_numel, MAX_BUCKET_NUMEL)
+    buckets: list[Bucket] = []
+    open_buckets: dict[tuple, Bucket] = {}
+    for position in reversed(range(len(params))):
+        param = params[position]
+        if not param.requires_grad:
+            continue
+        if param.numel() > MAX_BUCKET_NUMEL:
+            raise ValueError(
+                f"parameter {position} has {param.numel()} elements, more than a bucket can "
+                f"hold ({MAX_BUCKET_NUMEL}, the int32 index limit); split it into smaller "
+                "parameters"
+            )
+        compressed = param.numel() >= min_compress_numel
+        key = (param.device, compressed)
+        bucket = open_buckets.get(key)
+        if bucket is None or bucket.numel + param.numel() > cap_numel:
+            bucket = Bucket(compressed=compressed)
+            open_buckets[key] = bucket
+            buckets.append(bucket)
+        bucket.add(position, param)
+    buckets.sort(key=lambda b: -min(b.positions))
+    for bucket in buckets:
+        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+        if keep_residual and bucket.compressed:
+            bucket.residual = torch.zeros_like(bucket.grad_buffer)
+        bucket.reset()
+    return buckets
+
+
+def cap_numel(bucket_cap_mb: float, element_bytes: int) -> int:
+    """Elements per bucket for a cap in MiB (``inf``: no cap)."""
+    if math.isinf(bucket_cap_mb):
+        return MAX_BUCKET_NUMEL
+    return max(1, int(bucket_cap_mb * 2**20) // element_bytes)
+
+
+class BucketEngine:
+    """Fills, launches and finishes the buckets of one set of parameters.
+
+    Args:
+        buckets: from :func:`build_buckets`.
+        compressor: what the compressed buckets send; small-parameter buckets send dense.
+        comm: the process group's collectives.
+    """
+
+    def __init__(self, buckets: list[Bucket], compressor: Compressor, comm: Communicator):
+        self.buckets = buckets
+        self.compressor = compressor
+        self.comm = comm
+        self.member_of: dict[int, tuple[Bucket, int]] = {}
+        for bucket in buckets:
+            for member, param in enumerate(bucket.params):
+                self.member_of[id(param)] = (bucket, member)
+        self.next_launch = 0  # buckets before this index have launched this step
+        #: Seconds spent compressing this step (set when ``timed``).
+        self.compress_seconds = 0.0
+
+    # ---------------------------------------------------------------- fill
+
+    def fill(self, bucket: Bucket, member: int) -> None:
+        """Put the member's current ``.grad`` (``None``: zeros) into the bucket."""
+        param = bucket.params[member]
+        grad = param.grad
+        target = bucket.view(bucket.grad_buffer, member)
+        if grad is None:
+            target.zero_()
+        else:
+            if grad.is_sparse:
+                raise TypeError(
+                    "sparse gradients are not supported: build embeddings with "
+                    "sparse=False so that their gradients are dense"
+                )
+            if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
+                target.copy_(grad)
+                if param.dtype == torch.float32:
+                    # Later backward passes accumulate into the bucket itself.
+                    param.grad = target
+            bucket.used[member] = True
+        bucket.filled[member] = True
+
+    def fill_from_hook(self, param: torch.Tensor) -> bool:
+        """A gradient arrived during backward: fill it in, launch what is ready. Returns
+        False for a parameter this engine does not hold."""
+        entry = self.member_of.get(id(param))
+        if entry is None:
+            return False
+        bucket, member = entry
+        if bucket.exchange is not None:
+            raise RuntimeError(
+                "a gradient arrived for a parameter whose bucket was already sent this step: "
+                "backward ran again before step(). To accumulate gradients over several "
+                "backward passes, run all but the last inside `with opt.no_sync():`"
+            )
+        self.fill(bucket, member)
+        self.launch_ready()
+        return True
+
+    # ---------------------------------------------------------------- launch
+
+    def launch_ready(self) -> None:
+        """Launch, in order, every bucket whose members are all filled."""
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if not all(bucket.filled):
+                return
+            self._launch(bucket)
+
+    def local_used(self, num_params: int) -> list[bool]:
+        """Per parameter position: did it have a gradient on this rank this step."""
+        used = [False] * num_params
+        for bucket in self.buckets:
+            for member, position in enumerate(bucket.positions):
+                used[position] = bucket.used[member]
+        return used
+
+    def launch_all(self) -> None:
+        """Fill what backward did not (from ``.grad`` as it is now) and launch the rest."""
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            for member, filled in enumerate(bucket.filled):
+                if not filled:
+                    self.fill(bucket, member)
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        compressor = self.compressor if bucket.compressed else _DENSE
+        started = self._clock(bucket)
+        if bucket.residual is None:
+            message = compressor.compress(bucket.grad_buffer, None, self.comm.world_size)
+        else:
+            # Reversed on purpose (see the module docstring): the new residual goes into
+            # grad_buffer, the old one stays as it was.
+            message = compressor.compress(bucket.residual, bucket.grad_buffer, self.comm.world_size)
+        self.compress_seconds += self._clock(bucket) - started
+        bucket.exchange = compressor.start(message, self.comm)
+        self.next_launch += 1
+        # Until finish() the buffer holds scratch (the new residual, then the average):
+        # hide it from .grad so that nothing reads or scales it in place meanwhile.
+        for param in bucket.params:
+            param.grad = None
+
+    # ---------------------------------------------------------------- finish
+
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        """A 0-dim bool tensor on the first bucket's device: did this rank send a NaN or
+        Inf in any bucket this step (None without buckets)."""
+        flags = [b.exchange.nonfinite for b in self.buckets]
+        if not flags:
+            return None
+        device = flags[0].device
+        return torch.stack([f.to(device) for f in flags]).any()
+
+    def finish(self, used: list[bool]) -> None:
+        """Wait for every bucket, average, commit the new residuals, and hand each used
+        parameter its average in ``.grad`` (parameters no rank used keep ``grad = None``
+        and their residual)."""
+        for bucket in self.buckets:
+            exchange = bucket.exchange
+            compressor = self.compressor if bucket.compressed else _DENSE
+            if bucket.residual is None:
+                average = compressor.finish(exchange, bucket.grad_buffer)
+            else:
+                new_residual = bucket.grad_buffer
+                for member, position in enumerate(bucket.positions):
+                    if not used[position]:
+                        span = bucket.span(member)
+                        new_residual[span] = bucket.residual[span]
+                average = compressor.finish(exchange, bucket.residual)
+                bucket.grad_buffer, bucket.residual = average, new_residual
+            for member, (position, param) in enumerate(zip(bucket.positions, bucket.params)):
+                if not used[position]:
+                    param.grad = None
+                    continue
+                view = bucket.view(average, member)
+                param.grad = view if param.dtype == torch.float32 else view.to(param.dtype)
+            bucket.reset()
+        self.next_launch = 0
+
+    def abandon(self) -> None:
+        """Wait for every bucket and drop the step: residuals stay as they were, and the
+        members' ``.grad`` stays None."""
+        for bucket in self.buckets:
+            if bucket.exchange is not None:
+                self.comm.wait(bucket.exchange.work)
+            bucket.reset()
+        self.next_launch = 0
+
+    def _clock(self, bucket: Bucket) -> float:
+        if not self.comm.timed:
+            return 0.0
+        if bucket.device.type == "cuda":
+            torch.cuda.synchronize(bucket.device)
+        return time.perf_counter()

@@ -1,0 +1,252 @@
+"""The DDP front door: sparsecomm's compressors as a ``DistributedDataParallel`` comm hook.
+
+``state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01))`` and
+``ddp_model.register_comm_hook(state, hook)``: DDP keeps its own bucketing, overlap with
+backward, ``no_sync()``, ``static_graph`` and ``find_unused_parameters``; each of its
+buckets goes through the same ``compress`` / ``start`` / ``finish`` as under
+:class:`sparsecomm.CompressedOptimizer`, with an error-feedback residual per bucket kept
+in the state object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._comm import Communicator
+from .compressors import Compressor, Dense
+
+__all__ = ["DDPCommHookState", "ddp_comm_hook"]
+
+_STATE_FORMAT = 1
+_DENSE = Dense()
+
+
+class DDPCommHookState:
+    """What the hook keeps between iterations (pass it to ``register_comm_hook``).
+
+    Residuals live per DDP bucket, as one flat float32 tensor laid out like the bucket,
+    and are known per parameter: DDP rebuilds its buckets after the first iteration of
+    every process (in the order gradients arrived), and a checkpoint resumed in new
+    processes starts again from DDP's first layout; each time the layout changes, every
+    parameter's residual moves with it, nothing is lost.
+
+    Attributes:
+        compressor: what each bucket sends.
+        error_feedback: whether unsent gradient is kept and added to the next iteration's.
+        comm: the process group's collectives.
+        dense_iterations: iterations sent dense (fp32) before compressing.
+        iteration: iterations completed (counted at each iteration's last bucket).
+        residuals: bucket index to its float32 residual (what was not sent yet).
+        nonfinite: bucket index to a device flag: did this rank's last message for that
+            bucket hold NaN or Inf? Its residual is then dropped before the next use (the
+            averaged gradient is non-finite on every rank, so ``GradScaler`` skips the step).
+        last_bytes_sent: bytes this rank put into the collectives in the last iteration.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        error_feedback: bool = True,
+        process_group: Any = None,
+        dense_iterations: int = 0,
+    ):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(
+                f"compressor must be a sparsecomm compressor, got {compressor!r}; use "
+                "sparsecomm.Dense(), Cast(torch.float16), Cast(torch.bfloat16), "
+                "Threshold(t) or TopK(density)"
+            )
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if isinstance(dense_iterations, bool) or not isinstance(dense_iterations, int) or (
+            dense_iterations < 0
+        ):
+            raise ValueError(
+                f"dense_iterations must be an int >= 0, got {dense_iterations!r}; 0 "
+                "compresses from the first iteration"
+            )
+        self.compressor = compressor
+        self.error_feedback = error_feedback
+        self.comm = Communicator(process_group)
+        self.dense_iterations = dense_iterations
+        self.iteration = 0
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.nonfinite: dict[int, torch.Tensor] = {}
+        self.last_bytes_sent = 0
+        self._bytes_this_iteration = 0
+        # A parameter's key is the order in which this process first saw it: DDP's first
+        # layout is the same in every new process, so keys are too.
+        self._keys: dict[int, int] = {}
+        self._layouts: dict[int, list[tuple[int, int]]] = {}  # index: [(key, numel)]
+        self._loose: dict[int, torch.Tensor] = {}  # key: residual between layouts
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's residuals (per parameter) and counters, tensors and plain values
+        only. Per rank: save one file per rank."""
+        self._loosen_all()
+        return {
+            "format": _STATE_FORMAT,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "compressor": self.compressor.config(),
+            "error_feedback": self.error_feedback,
+            "iteration": self.iteration,
+            "residuals": {key: r.clone() for key, r in self._loose.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` saved by this rank (before the first backward of a
+        new DDP model). Everything is checked first; a mismatch raises ``ValueError``
+        naming it and changes nothing."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                "DDPCommHookState.load_state_dict: not a saved hook state (format "
+                f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})"
+            )
+        expected = {
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "compressor": self.compressor.config(),
+            "error_feedback": self.error_feedback,
+        }
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"DDPCommHookState.load_state_dict: saved with {key}={state.get(key)!r}, "
+                    f"this hook has {key}={value!r}; residuals belong to one rank, world size "
+                    "and compressor"
+                )
+        residuals = state.get("residuals")
+        if not isinstance(residuals, dict):
+            raise ValueError("DDPCommHookState.load_state_dict: 'residuals' must be a dict")
+        for key, residual in residuals.items():
+            if not torch.is_tensor(residual) or residual.dtype != torch.float32:
+                raise ValueError(
+                    f"DDPCommHookState.load_state_dict: residual of parameter {key} must be a "
+                    "float32 tensor"
+                )
+            if not bool(torch.isfinite(residual).all()):
+                raise ValueError(
+                    f"DDPCommHookState.load_state_dict: residual of parameter {key} holds NaN "
+                    "or Inf; the checkpoint is corrupt"
+                )
+        self.iteration = int(state["iteration"])
+        self._loose = {int(k): r.clone() for k, r in residuals.items()}
+        self.residuals, self.nonfinite, self._layouts, self._keys = {}, {}, {}, {}
+
+    def _layout_of(self, bucket) -> list[tuple[int, int]]:
+        layout = []
+        for param in bucket.parameters():
+            key = self._keys.setdefault(id(param), len(self._keys))
+            layout.append((key, param.numel()))
+        return layout
+
+    def _loosen_all(self) -> None:
+        """Split every bucket's residual into per-parameter pieces (in ``_loose``)."""
+        for index, residual in self.residuals.items():
+            offset = 0
+            for key, numel in self._layouts[index]:
+                self._loose[key] = residual[offset : offset + numel]
+                offset += numel
+        self.residuals, self._layouts = {}, {}
+
+    def _residual_for(self, bucket, grad: torch.Tensor) -> torch.Tensor:
+        index = bucket.index()
+        layout = self._layout_of(bucket)
+        if self._layouts.get(index) != layout:  # first sight, or DDP rebuilt its buckets
+            self._loosen_all()
+            pieces = [
+                self._loose.pop(key, None) for key, _ in layout
+            ]
+            residual = torch.cat(
+                [
+                    piece.to(grad.device) if piece is not None
+                    else torch.zeros(numel, dtype=torch.float32, device=grad.device)
+                    for piece, (_, numel) in zip(pieces, layout)
+                ]
+            ) if layout else torch.zeros(0, device=grad.device)  # fmt: skip
+            self.residuals[index], self._layouts[index] = residual, layout
+            self.nonfinite.pop(index, None)
+        residual = self.residuals[index]
+        flag = self.nonfinite.pop(index, None)
+        # The flag was computed an iteration ago, so reading it waits for nothing.
+        if flag is not None and bool(flag):
+            residual.zero_()
+        return residual
+
+
+def ddp_comm_hook(
+    compressor: Compressor,
+    *,
+    error_feedback: bool = True,
+    process_group: Any = None,
+    dense_iterations: int = 0,
+):
+    """A ``DistributedDataParallel`` comm hook that sends each DDP bucket compressed.
+
+    Args:
+        compressor: ``Dense()``, ``Cast(dtype)``, ``Threshold(t)`` or ``TopK(density)``.
+        error_feedback: keep what was not sent per bucket (default True).
+        process_group: the group DDP averages over (``None``: the default group).
+        dense_iterations: iterations sent dense first (see :class:`DDPCommHookState`).
+
+    Returns:
+        ``(state, hook)``, for ``ddp_model.register_comm_hook(state, hook)``.
+
+    Example:
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+        >>> state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01))
+        >>> ddp.register_comm_hook(state, hook)
+
+    Warning:
+        Under ``torch.amp.GradScaler`` the hook sees scaled gradients, so residuals are
+        kept in scaled units; a changing scale rescales what they hold. Use
+        :class:`sparsecomm.CompressedOptimizer`, which keeps residuals unscaled, for fp16
+        training with a loss scale.
+    """
+    state = DDPCommHookState(
+        compressor,
+        error_feedback=error_feedback,
+        process_group=process_group,
+        dense_iterations=dense_iterations,
+    )
+    return state, _compressed_hook
+
+
+# No annotations: DDP compares them with the real types, and this module's are strings.
+def _compressed_hook(state, bucket):
+    """Compress one DDP bucket, start its exchange, return a future of its average."""
+    buffer = bucket.buffer()
+    index = bucket.index()
+    if state.iteration < state.dense_iterations:
+        compressor = _DENSE
+    else:
+        compressor = state.compressor
+    grad = buffer if buffer.dtype == torch.float32 else buffer.float()
+    residual = None
+    if state.error_feedback and compressor.keeps_residual:
+        residual = state._residual_for(bucket, grad)
+    message = compressor.compress(grad, residual, state.comm.world_size)
+    exchange = compressor.start(message, state.comm, check=residual is not None)
+    state._bytes_this_iteration += message.wire_bytes
+    if residual is not None:
+        state.nonfinite[index] = exchange.nonfinite
+    if bucket.is_last():
+        state.iteration += 1
+        state.last_bytes_sent, state._bytes_this_iteration = state._bytes_this_iteration, 0
+
+    def finish(_) -> torch.Tensor:
+        exchange.work = None  # done: this runs when it completes, and must not wait on it
+        average = compressor.finish(exchange, grad)
+        if average is not buffer:
+            buffer.copy_(average)
+        return buffer
+
+    if exchange.work is None:
+        done = torch.futures.Future()
+        done.set_result(finish(None))
+        return done
+    return exchange.work.get_future().then(finish)

@@ -1,0 +1,188 @@
+"""Functions run on gloo ranks by tests/test_overlap.py: the exchange during backward, and
+the DDP comm-hook front door. Each takes ``(rank, world_size, ...)`` and returns plain data."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+import sparsecomm
+
+IN, HIDDEN, OUT = 24, 48, 5
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
+
+
+def batch(rank: int, step: int, size: int = 16):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(size, IN, generator=gen), torch.randn(size, OUT, generator=gen)
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def wrap(model, compressor, **kwargs):
+    return sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        compressor,
+        bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # several buckets
+        **kwargs,
+    )
+
+
+def overlap_matches_step(rank, world_size, compressor, steps):
+    """The same training with the exchange during backward and inside step(): the same
+    bits. Also returns how many steps found their gradients already averaged after
+    backward (the overlap path)."""
+    out = {}
+    for overlap in (True, False):
+        model = make_model()
+        opt = wrap(model, compressor, overlap=overlap)
+        averaged_after_backward = 0
+        for step in range(steps):
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            averaged_after_backward += int(opt._synchronized)
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing
+        out[overlap] = (flat(model), averaged_after_backward)
+    return out
+
+
+def accumulate(rank, world_size, compressor, micro):
+    """``micro`` micro-batches per step under no_sync against the same sum of gradients
+    exchanged once by step() (overlap=False): the same bits."""
+    out = []
+    for use_no_sync in (True, False):
+        model = make_model()
+        opt = wrap(model, compressor, overlap=use_no_sync)
+        for step in range(3):
+            for i in range(micro):
+                context = opt.no_sync() if use_no_sync and i < micro - 1 else contextlib.nullcontext()
+                with context:
+                    x, y = batch(rank, 10 * step + i)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(flat(model))
+    return out
+
+
+def changing_used_set(rank, world_size, compressor):
+    """Which layers a rank uses changes every step and differs between ranks; one head is
+    never used. Ranks stay in sync, and the head keeps grad None and its residual."""
+    model = make_model()
+    head = torch.nn.Linear(HIDDEN, 3)
+    params = list(model.parameters()) + list(head.parameters())
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(params, lr=0.05, momentum=0.9), compressor, bucket_cap_mb=0.01
+    )
+    head_none = []
+    for step in range(6):
+        x, y = batch(rank, step)
+        hidden = model[1](model[0](x))
+        if (step + rank) % 2 == 0:
+            hidden = model[3](model[2](hidden))
+        torch.nn.functional.mse_loss(model[4](hidden), y).backward()
+        opt.step()
+        head_none.append(head.weight.grad is None and head.bias.grad is None)
+        opt.zero_grad()
+    return flat(model), head_none
+
+
+def backward_twice(rank, world_size):
+    model = make_model()
+    opt = wrap(model, sparsecomm.TopK(0.1))
+    for step in range(2):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    x, y = batch(rank, 2)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+# ------------------------------------------------------------------ the DDP front door
+
+
+def _ddp_train(rank, model, hook, steps, start=0, accumulate=1, bucket_cap_mb=0.01):
+    """DDP with ``hook = (state, fn)`` registered (None: DDP's own all-reduce)."""
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if hook is not None:
+        ddp.register_comm_hook(*hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(start, steps):
+        for i in range(accumulate):
+            context = ddp.no_sync() if i < accumulate - 1 else contextlib.nullcontext()
+            with context:
+                x, y = batch(rank, 10 * step + i)
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return ddp, opt
+
+
+def ddp_hook_in_sync(rank, world_size, compressor, steps):
+    """Every compressor through DDP's hook: ranks hold the same bits, bytes are counted."""
+    model = make_model()
+    state, hook = sparsecomm.ddp_comm_hook(compressor)
+    _ddp_train(rank, model, (state, hook), steps, accumulate=2)
+    return flat(model), state.last_bytes_sent, state.iteration
+
+
+def ddp_hook_dense_matches_ddp(rank, world_size, steps):
+    plain, hooked = make_model(), make_model()
+    _ddp_train(rank, plain, None, steps)
+    _ddp_train(rank, hooked, sparsecomm.ddp_comm_hook(sparsecomm.Dense()), steps)
+    return flat(plain), flat(hooked)
+
+
+def ddp_hook_resume(rank, world_size, directory, phase, save_at, steps, cap):
+    """Train to ``save_at``, save model, optimizer and hook state; new processes load them
+    and train on. Returns the parameters and the residual pieces per parameter."""
+    model = make_model()
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1))
+    path = f"{directory}/hook_rank{rank}.pt"
+    if phase == "full":
+        _ddp_train(rank, model, (state, hook), steps, bucket_cap_mb=cap)
+        return flat(model), state.state_dict()["residuals"]
+    if phase == "first":
+        _, opt = _ddp_train(rank, model, (state, hook), save_at, bucket_cap_mb=cap)
+        buffer = io.BytesIO()
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+            buffer,
+        )
+        with open(path, "wb") as f:
+            f.write(buffer.getvalue())
+        return flat(model), state.state_dict()["residuals"]
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    state.load_state_dict(saved["hook"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(saved["opt"])
+    for step in range(save_at, steps):
+        x, y = batch(rank, 10 * step)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(model), state.state_dict()["residuals"]

@@ -1,0 +1,177 @@
+"""The exchange during backward (both front doors): the same bits as the exchange inside
+step(), gradient accumulation with no_sync(), a used set that changes between steps and
+ranks, the DDP comm hook in sync and resumed bitwise."""
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import _overlap_workers as w
+import sparsecomm
+
+COMPRESSORS = [
+    sparsecomm.Dense(),
+    sparsecomm.Cast(torch.bfloat16),
+    sparsecomm.Threshold(1e-2),
+    sparsecomm.TopK(0.1),
+]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    bad = (a.view(torch.int32) != b.view(torch.int32)).nonzero().flatten()[:5].tolist()
+    return f"{len(bad)}+ elements differ, first at {bad}: {a[bad].tolist()} vs {b[bad].tolist()}"
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
+def test_overlap_gives_the_bits_of_the_exchange_in_step(compressor):
+    results = run_ranks(w.overlap_matches_step, 2, compressor, 5)
+    for rank, out in enumerate(results):
+        (overlapped, after_backward), (in_step, never) = out[True], out[False]
+        assert torch.equal(overlapped, in_step), f"rank {rank}: {_diff(overlapped, in_step)}"
+        assert after_backward == 4 and never == 0  # the first step exchanges in step()
+    assert torch.equal(results[0][True][0], results[1][True][0])
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.float16)])
+def test_no_sync_accumulates_like_one_exchange_of_the_sum(compressor):
+    results = run_ranks(w.accumulate, 2, compressor, 3)
+    for rank, (no_sync, summed) in enumerate(results):
+        assert torch.equal(no_sync, summed), f"rank {rank}: {_diff(no_sync, summed)}"
+    assert torch.equal(results[0][0], results[1][0])
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Threshold(1e-2)])
+def test_used_parameters_change_between_steps_and_ranks(compressor):
+    results = run_ranks(w.changing_used_set, 2, compressor)
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(all(none) for _, none in results)
+
+
+def test_backward_twice_before_step_names_no_sync():
+    errors = run_ranks(w.backward_twice, 2)
+    assert all(e is not None and "no_sync" in e for e in errors), errors
+
+
+# ------------------------------------------------------------------ the DDP front door
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
+def test_ddp_hook_keeps_ranks_in_sync(compressor):
+    results = run_ranks(w.ddp_hook_in_sync, 2, compressor, 4)
+    (params0, bytes0, iterations), (params1, _, _) = results
+    assert torch.equal(params0, params1), _diff(params0, params1)
+    assert iterations == 4 and bytes0 > 0
+    dense_bytes = 4 * params0.numel()
+    if not isinstance(compressor, sparsecomm.Dense):
+        assert bytes0 < dense_bytes
+
+
+def test_ddp_hook_dense_matches_ddp():
+    for plain, hooked in run_ranks(w.ddp_hook_dense_matches_ddp, 2, 4):
+        torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_hook_resumes_bitwise(tmp_path):
+    """One DDP bucket (the layout DDP starts every process with is the one it keeps): a
+    run resumed in new processes is bitwise the run that never stopped."""
+    args = (str(tmp_path), 3, 6, 25)
+    full = run_ranks(w.ddp_hook_resume, 2, args[0], "full", *args[1:])
+    run_ranks(w.ddp_hook_resume, 2, args[0], "first", *args[1:])
+    resumed = run_ranks(w.ddp_hook_resume, 2, args[0], "second", *args[1:])
+    for rank in range(2):
+        (a, residual_a), (b, residual_b) = full[rank], resumed[rank]
+        assert torch.equal(a, b), f"rank {rank}: {_diff(a, b)}"
+        assert residual_a.keys() == residual_b.keys()
+        assert all(torch.equal(residual_a[k], residual_b[k]) for k in residual_a)
+
+
+def test_ddp_hook_carries_residuals_through_a_layout_change(tmp_path):
+    """Small DDP buckets: DDP rebuilds them after each process's first iteration, and a
+    resumed process starts from its first layout again. Every parameter keeps a residual
+    of its own size throughout, and the resumed ranks stay in sync."""
+    args = (str(tmp_path), 3, 6, 0.01)
+    first = run_ranks(w.ddp_hook_resume, 2, args[0], "first", *args[1:])
+    resumed = run_ranks(w.ddp_hook_resume, 2, args[0], "second", *args[1:])
+    numels = sorted(p.numel() for p in w.make_model().parameters())
+    for _, residuals in first + resumed:
+        assert sorted(r.numel() for r in residuals.values()) == numels
+        assert all(r.abs().sum() > 0 for r in residuals.values() if r.numel() > 50)
+    assert torch.equal(resumed[0][0], resumed[1][0])
+
+
+class _Bucket:
+    """Just enough of torch.distributed.GradBucket for the hook on one process."""
+
+    param = torch.nn.Parameter(torch.zeros(0))  # one parameter, the same every call
+
+    def __init__(self, buffer, index=0, last=True):
+        self._buffer, self._index, self._last = buffer, index, last
+
+    def parameters(self):
+        self.param.data = torch.zeros(self._buffer.numel())
+        return [self.param]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS[1:], ids=repr)
+def test_ddp_hook_conserves_exactly(compressor):
+    state, hook = sparsecomm.ddp_comm_hook(compressor, dense_iterations=0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grad = torch.randn(3001, generator=gen) * torch.logspace(-3, 1, 3001)
+        old = state.residuals.get(0, torch.zeros(3001)).clone()
+        sent = hook(state, _Bucket(grad.clone())).wait()  # one rank: the average is what it sent
+        new = state.residuals[0]
+        assert torch.equal(sent + new, grad + old), _diff(sent + new, grad + old)
+        assert new.abs().sum() > 0  # something was kept back
+
+
+def test_ddp_hook_drops_a_residual_poisoned_by_nan():
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01), dense_iterations=0)
+    grad = torch.randn(1000)
+    grad[5] = float("nan")
+    assert not torch.isfinite(hook(state, _Bucket(grad.clone())).wait()).all()
+    assert state.residuals[0].abs().sum() > 0
+    after = torch.linspace(-1, 1, 1000)
+    hook(state, _Bucket(after.clone())).wait()
+    # The poisoned step's residual was dropped: as if this were the first gradient.
+    fresh, fresh_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01), dense_iterations=0)
+    fresh_hook(fresh, _Bucket(after.clone())).wait()
+    assert torch.equal(state.residuals[0], fresh.residuals[0])
+
+
+def test_ddp_hook_state_dict_checks_before_loading():
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
+    hook(state, _Bucket(torch.linspace(1, 2, 10))).wait()
+    saved = state.state_dict()
+    kept = torch.cat([torch.linspace(1, 2, 10)[:8], torch.zeros(2)])  # the top 2 were sent
+    assert torch.equal(saved["residuals"][0], kept)
+    other, _ = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.02))
+    with pytest.raises(ValueError, match="compressor"):
+        other.load_state_dict(saved)
+    poisoned = dict(saved, residuals={0: torch.full((10,), float("nan"))})
+    fresh, fresh_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
+    with pytest.raises(ValueError, match="NaN"):
+        fresh.load_state_dict(poisoned)
+    fresh.load_state_dict(saved)
+    assert fresh.iteration == 1
+    # The loaded residual joins the next gradient: zeros now send its two largest.
+    sent = fresh_hook(fresh, _Bucket(torch.zeros(10))).wait()
+    assert sent.nonzero().flatten().tolist() == [6, 7]
+
+
+def test_ddp_hook_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="compressor"):
+        sparsecomm.ddp_comm_hook("topk")
+    with pytest.raises(ValueError, match="dense_iterations"):
+        sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01), dense_iterations=-1)
+    with pytest.raises(TypeError, match="error_feedback"):
+        sparsecomm.ddp_comm_hook(sparsecomm.Dense(), error_feedback=1)
