@@ -15,10 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Elements per chunk: 1 MiB of float32. Each torch op costs a few microseconds of Python
-# and dispatch whatever its size, so a chunk must be large enough to hide that; its three
-# or four live arrays must still fit the caches (2026-12-03, 2-core AMD EPYC, 1 MiB L2 per
-# core: 2**16 was 1.3x and 2**20 1.1x slower than 2**18 on the top-k pass).
+# Elements per chunk: 1 MiB of float32. Each op costs a few microseconds of Python and
+# dispatch whatever its size, so a chunk must be large enough to hide that, and its three or
+# four live arrays must still sit in cache. Sweep on a 2-core AMD EPYC (1 MiB L2 per core,
+# 32 MiB L3; a shared machine, so only coarse, 2026-12-03): 2**17 to 2**19 within noise of
+# each other for top-k, threshold and cast at 1e6 and 1.4e7 elements, 2**16 and 2**20 up to
+# 1.3x slower.
 CHUNK = 1 << 18
 
 # Order key of abs(x) from the bits of x: clear the sign. As int32 it orders magnitudes as

@@ -275,9 +275,9 @@ def scatter_add_ref(
 
 
 # The CPU path goes tile by tile from this many output elements on, where the output no
-# longer fits the last-level cache (2-core AMD EPYC, 32 MiB L3, 2026-12-03: 1.4e7 elements
-# with 8 x 1% pairs took 0.74 ns per element tiled against 2.0 untiled; 1e6 took 1.1 tiled
-# against 0.75 untiled).
+# longer fits the last-level cache (2-core AMD EPYC, 32 MiB L3, one thread, 2026-12-03:
+# 1.4e7 elements with 8 x 1% pairs took 0.74 ns per element tiled against 2.0 untiled; 1e6
+# took 1.1 tiled against 0.75 untiled).
 _TILED_MIN_NUMEL = 1 << 22
 
 
@@ -299,8 +299,8 @@ def scatter_add_cpu(
     Each rank's values are multiplied by ``scale`` (the reference's float32 multiply) and
     added with ``index_add_`` (one float32 add per pair, as in the reference), rank after
     rank. When every row's indices ascend (as the compressors send them) and the output
-    spans several cache-sized tiles, the work goes tile by tile, and in each tile rank by
-    rank: the same additions in the same order per element, with the tile zeroed and summed
+    outgrows the last-level cache (``_TILED_MIN_NUMEL``), the work goes tile by tile, and in
+    each tile rank by rank: the same additions in the same order per element, with the tile zeroed and summed
     in cache instead of every rank sweeping the whole output. Indices outside ``[0, numel)``
     raise ``IndexError`` (the reference's indexing raises, or wraps negative ones).
 
