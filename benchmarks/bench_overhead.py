@@ -41,10 +41,10 @@ import time
 import types
 
 import torch
-
-import sparsecomm
 from sparsecomm.triton_kernels import scatter_add as scatter_module
 from sparsecomm.triton_kernels import topk as topk_module
+
+import sparsecomm
 
 QUANTILES = [0.5, 0.2, 0.8]
 
@@ -254,6 +254,8 @@ def main() -> None:
     started = time.monotonic()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     sizes = parse_sizes(args.sizes or ("1e7,1e8" if device.type == "cuda" else "1e4,1e5"))
     timer = Timer(device, args.cpu_warmup, args.cpu_reps)

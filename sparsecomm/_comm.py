@@ -65,6 +65,15 @@ class Communicator:
         work.wait()
         self.seconds += time.perf_counter() - start
 
+    def clock(self, device: torch.device) -> float:
+        """``time.perf_counter()`` after the device has finished its queued work, when
+        ``timed``; 0 otherwise (no synchronisation)."""
+        if not self.timed:
+            return 0.0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1

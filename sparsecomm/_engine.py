@@ -25,16 +25,13 @@ the residual: the two swap roles every step.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ._comm import Communicator
 from .compressors import Compressor, Dense, Exchange
-
-# Sparse messages index a bucket with int32.
-MAX_BUCKET_NUMEL = 2**31 - 1
+from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
 
 _DENSE = Dense()
 
@@ -81,11 +78,6 @@ class Bucket:
     def span(self, member: int) -> slice:
         start = self.offsets[member]
         return slice(start, start + self.params[member].numel())
-
-    def slices(self):
-        """``(position, param, flat slice)`` for each member."""
-        for member, (position, param) in enumerate(zip(self.positions, self.params)):
-            yield position, param, self.span(member)
 
     def view(self, buffer: torch.Tensor, member: int) -> torch.Tensor:
         return buffer[self.span(member)].view(self.params[member].shape)
@@ -166,6 +158,10 @@ class BucketEngine:
         #: Seconds spent compressing this step (set when ``timed``).
         self.compress_seconds = 0.0
 
+    def compressor_of(self, bucket: Bucket) -> Compressor:
+        """The bucket's compressor: small-parameter buckets send dense."""
+        return self.compressor if bucket.compressed else _DENSE
+
     # ---------------------------------------------------------------- fill
 
     def fill(self, bucket: Bucket, member: int) -> None:
@@ -234,15 +230,15 @@ class BucketEngine:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        compressor = self.compressor if bucket.compressed else _DENSE
-        started = self._clock(bucket)
+        compressor = self.compressor_of(bucket)
+        started = self.comm.clock(bucket.device)
         if bucket.residual is None:
             message = compressor.compress(bucket.grad_buffer, None, self.comm.world_size)
         else:
             # Reversed on purpose (see the module docstring): the new residual goes into
             # grad_buffer, the old one stays as it was.
             message = compressor.compress(bucket.residual, bucket.grad_buffer, self.comm.world_size)
-        self.compress_seconds += self._clock(bucket) - started
+        self.compress_seconds += self.comm.clock(bucket.device) - started
         bucket.exchange = compressor.start(message, self.comm)
         self.next_launch += 1
         # Until finish() the buffer holds scratch (the new residual, then the average):
@@ -267,7 +263,7 @@ class BucketEngine:
         and their residual)."""
         for bucket in self.buckets:
             exchange = bucket.exchange
-            compressor = self.compressor if bucket.compressed else _DENSE
+            compressor = self.compressor_of(bucket)
             if bucket.residual is None:
                 average = compressor.finish(exchange, bucket.grad_buffer)
             else:
@@ -295,10 +291,3 @@ class BucketEngine:
                 self.comm.wait(bucket.exchange.work)
             bucket.reset()
         self.next_launch = 0
-
-    def _clock(self, bucket: Bucket) -> float:
-        if not self.comm.timed:
-            return 0.0
-        if bucket.device.type == "cuda":
-            torch.cuda.synchronize(bucket.device)
-        return time.perf_counter()

@@ -23,6 +23,27 @@ _STATE_FORMAT = 1
 _DENSE = Dense()
 
 
+class _HostFlag:
+    """A 0-dim bool device tensor, copied to the host without stalling it: read an
+    iteration later, the copy has long arrived, where ``bool(flag)`` on a CUDA tensor would
+    wait for every kernel queued so far (the current backward included)."""
+
+    def __init__(self, flag: torch.Tensor):
+        self._event = None
+        if flag.is_cuda:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag
+
+    def is_set(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()  # done by now: returns at once
+        return bool(self._host)
+
+
 class DDPCommHookState:
     """What the hook keeps between iterations (pass it to ``register_comm_hook``).
 
@@ -39,8 +60,8 @@ class DDPCommHookState:
         dense_iterations: iterations sent dense (fp32) before compressing.
         iteration: iterations completed (counted at each iteration's last bucket).
         residuals: bucket index to its float32 residual (what was not sent yet).
-        nonfinite: bucket index to a device flag: did this rank's last message for that
-            bucket hold NaN or Inf? Its residual is then dropped before the next use (the
+        nonfinite: bucket index to a :class:`_HostFlag`: did this rank's last message for
+            that bucket hold NaN or Inf? Its residual is then dropped before the next use (the
             averaged gradient is non-finite on every rank, so ``GradScaler`` skips the step).
         last_bytes_sent: bytes this rank put into the collectives in the last iteration.
     """
@@ -74,7 +95,7 @@ class DDPCommHookState:
         self.dense_iterations = dense_iterations
         self.iteration = 0
         self.residuals: dict[int, torch.Tensor] = {}
-        self.nonfinite: dict[int, torch.Tensor] = {}
+        self.nonfinite: dict[int, _HostFlag] = {}
         self.last_bytes_sent = 0
         self._bytes_this_iteration = 0
         # A parameter's key is the order in which this process first saw it: DDP's first
@@ -158,22 +179,20 @@ class DDPCommHookState:
         layout = self._layout_of(bucket)
         if self._layouts.get(index) != layout:  # first sight, or DDP rebuilt its buckets
             self._loosen_all()
-            pieces = [
-                self._loose.pop(key, None) for key, _ in layout
-            ]
-            residual = torch.cat(
-                [
-                    piece.to(grad.device) if piece is not None
-                    else torch.zeros(numel, dtype=torch.float32, device=grad.device)
-                    for piece, (_, numel) in zip(pieces, layout)
-                ]
-            ) if layout else torch.zeros(0, device=grad.device)  # fmt: skip
+            pieces = []
+            for key, numel in layout:
+                piece = self._loose.pop(key, None)
+                pieces.append(
+                    torch.zeros(numel, dtype=torch.float32, device=grad.device)
+                    if piece is None
+                    else piece.to(grad.device)
+                )
+            residual = torch.cat(pieces) if pieces else grad.new_zeros(0)
             self.residuals[index], self._layouts[index] = residual, layout
             self.nonfinite.pop(index, None)
         residual = self.residuals[index]
         flag = self.nonfinite.pop(index, None)
-        # The flag was computed an iteration ago, so reading it waits for nothing.
-        if flag is not None and bool(flag):
+        if flag is not None and flag.is_set():
             residual.zero_()
         return residual
 
@@ -233,7 +252,7 @@ def _compressed_hook(state, bucket):
     exchange = compressor.start(message, state.comm, check=residual is not None)
     state._bytes_this_iteration += message.wire_bytes
     if residual is not None:
-        state.nonfinite[index] = exchange.nonfinite
+        state.nonfinite[index] = _HostFlag(exchange.nonfinite)
     if bucket.is_last():
         state.iteration += 1
         state.last_bytes_sent, state._bytes_this_iteration = state._bytes_this_iteration, 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
-import time
 import warnings
 import weakref
 from typing import Any
@@ -375,15 +374,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         engine = self._engine
         engine.launch_all()
         stats = self._sent_stats()
-        bad_ranks, used = self._agree_on_step(engine.nonfinite_flag(), engine.local_used(len(self._params)))
+        bad_ranks, used = self._agree_on_step(
+            engine.nonfinite_flag(), engine.local_used(len(self._params))
+        )
         for flag in found_inf:
             flag.fill_(1.0 if bad_ranks else 0.0)
         if bad_ranks:
             engine.abandon()
         else:
-            started, comm_before = self._clock(), self._comm.seconds
+            device = engine.buckets[0].device if engine.buckets else torch.device("cpu")
+            started, comm_before = self._comm.clock(device), self._comm.seconds
             engine.finish(used)
-            finished = self._clock()
+            finished = self._comm.clock(device)
             stats.aggregate_seconds = finished - started - (self._comm.seconds - comm_before)
         stats.compress_seconds = engine.compress_seconds
         stats.communicate_seconds = self._comm.seconds
@@ -440,15 +442,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not state["found_inf_per_device"]:
             grad_scaler.unscale_(self)
         return list(state["found_inf_per_device"].values())
-
-    def _clock(self) -> float:
-        if not self.profile:
-            return 0.0
-        for bucket in self._engine.buckets:
-            if bucket.device.type == "cuda":
-                torch.cuda.synchronize(bucket.device)
-                break
-        return time.perf_counter()
 
     # ------------------------------------------------------------------ internals
 

@@ -70,8 +70,8 @@ def accumulate(rank, world_size, compressor, micro):
         opt = wrap(model, compressor, overlap=use_no_sync)
         for step in range(3):
             for i in range(micro):
-                context = opt.no_sync() if use_no_sync and i < micro - 1 else contextlib.nullcontext()
-                with context:
+                last = i == micro - 1
+                with opt.no_sync() if use_no_sync and not last else contextlib.nullcontext():
                     x, y = batch(rank, 10 * step + i)
                     torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()

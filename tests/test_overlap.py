@@ -2,11 +2,11 @@
 step(), gradient accumulation with no_sync(), a used set that changes between steps and
 ranks, the DDP comm hook in sync and resumed bitwise."""
 
+import _overlap_workers as w
 import pytest
 import torch
 from _dist import run_ranks
 
-import _overlap_workers as w
 import sparsecomm
 
 COMPRESSORS = [
