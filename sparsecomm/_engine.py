@@ -49,8 +49,11 @@ class Bucket:
         grad_buffer: float32, the members' gradients (and, after a step, their average).
         residual: float32 error-feedback residual (what was not sent yet), or None when
             the bucket keeps none.
+        grad_views, residual_views: per member, its view of ``grad_buffer`` and of
+            ``residual``, made once (they swap with the buffers).
         filled: per member, whether its gradient is in ``grad_buffer`` this step.
         used: per member, whether it had a gradient on this rank this step.
+        pending: members not filled yet this step.
         exchange: the bucket's message in flight, once launched this step.
     """
 
@@ -61,8 +64,11 @@ class Bucket:
     compressed: bool = True
     grad_buffer: torch.Tensor | None = None
     residual: torch.Tensor | None = None
+    grad_views: list[torch.Tensor] = field(default_factory=list)
+    residual_views: list[torch.Tensor] | None = None
     filled: list[bool] = field(default_factory=list)
     used: list[bool] = field(default_factory=list)
+    pending: int = 0
     exchange: Exchange | None = None
 
     @property
@@ -82,9 +88,23 @@ class Bucket:
     def view(self, buffer: torch.Tensor, member: int) -> torch.Tensor:
         return buffer[self.span(member)].view(self.params[member].shape)
 
+    def allocate(self, keep_residual: bool) -> None:
+        """Allocate the flat buffers (zeros) and the members' views of them."""
+        self.grad_buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.grad_views = [self.view(self.grad_buffer, m) for m in range(len(self.params))]
+        if keep_residual:
+            self.residual = torch.zeros_like(self.grad_buffer)
+            self.residual_views = [self.view(self.residual, m) for m in range(len(self.params))]
+
+    def swap(self) -> None:
+        """The residual buffer becomes the gradient buffer and the other way round."""
+        self.grad_buffer, self.residual = self.residual, self.grad_buffer
+        self.grad_views, self.residual_views = self.residual_views, self.grad_views
+
     def reset(self) -> None:
         self.filled = [False] * len(self.params)
         self.used = [False] * len(self.params)
+        self.pending = len(self.params)
         self.exchange = None
 
 
@@ -123,9 +143,7 @@ def build_buckets(
         bucket.add(position, param)
     buckets.sort(key=lambda b: -min(b.positions))
     for bucket in buckets:
-        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
-        if keep_residual and bucket.compressed:
-            bucket.residual = torch.zeros_like(bucket.grad_buffer)
+        bucket.allocate(keep_residual and bucket.compressed)
         bucket.reset()
     return buckets
 
@@ -168,22 +186,25 @@ class BucketEngine:
         """Put the member's current ``.grad`` (``None``: zeros) into the bucket."""
         param = bucket.params[member]
         grad = param.grad
-        target = bucket.view(bucket.grad_buffer, member)
+        target = bucket.grad_views[member]
         if grad is None:
             target.zero_()
         else:
-            if grad.is_sparse:
-                raise TypeError(
-                    "sparse gradients are not supported: build embeddings with "
-                    "sparse=False so that their gradients are dense"
-                )
-            if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
-                target.copy_(grad)
-                if param.dtype == torch.float32:
-                    # Later backward passes accumulate into the bucket itself.
-                    param.grad = target
+            # Autograd accumulated into the bucket itself unless it allocated anew.
+            if grad is not target:
+                if grad.is_sparse:
+                    raise TypeError(
+                        "sparse gradients are not supported: build embeddings with "
+                        "sparse=False so that their gradients are dense"
+                    )
+                if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
+                    target.copy_(grad)
+                    if param.dtype == torch.float32:
+                        # Later backward passes accumulate into the bucket itself.
+                        param.grad = target
             bucket.used[member] = True
         bucket.filled[member] = True
+        bucket.pending -= 1
 
     def fill_from_hook(self, param: torch.Tensor) -> bool:
         """A gradient arrived during backward: fill it in, launch what is ready. Returns
@@ -208,7 +229,7 @@ class BucketEngine:
         """Launch, in order, every bucket whose members are all filled."""
         while self.next_launch < len(self.buckets):
             bucket = self.buckets[self.next_launch]
-            if not all(bucket.filled):
+            if bucket.pending:
                 return
             self._launch(bucket)
 
@@ -248,14 +269,15 @@ class BucketEngine:
 
     # ---------------------------------------------------------------- finish
 
-    def nonfinite_flag(self) -> torch.Tensor | None:
-        """A 0-dim bool tensor on the first bucket's device: did this rank send a NaN or
-        Inf in any bucket this step (None without buckets)."""
-        flags = [b.exchange.nonfinite for b in self.buckets]
-        if not flags:
+    def peak(self) -> torch.Tensor | None:
+        """A 0-dim float32 tensor on the first bucket's device: the largest
+        :meth:`~sparsecomm.compressors.Message.peak` this rank sent in any bucket this step
+        (NaN or Inf if it sent one; None without buckets)."""
+        peaks = [b.exchange.peak for b in self.buckets]
+        if not peaks:
             return None
-        device = flags[0].device
-        return torch.stack([f.to(device) for f in flags]).any()
+        device = peaks[0].device
+        return torch.stack([p.to(device) for p in peaks]).max()  # max propagates NaN
 
     def finish(self, used: list[bool]) -> None:
         """Wait for every bucket, average, commit the new residuals, and hand each used
@@ -265,20 +287,20 @@ class BucketEngine:
             exchange = bucket.exchange
             compressor = self.compressor_of(bucket)
             if bucket.residual is None:
-                average = compressor.finish(exchange, bucket.grad_buffer)
+                compressor.finish(exchange, bucket.grad_buffer)
             else:
                 new_residual = bucket.grad_buffer
                 for member, position in enumerate(bucket.positions):
                     if not used[position]:
                         span = bucket.span(member)
                         new_residual[span] = bucket.residual[span]
-                average = compressor.finish(exchange, bucket.residual)
-                bucket.grad_buffer, bucket.residual = average, new_residual
+                compressor.finish(exchange, bucket.residual)
+                bucket.swap()  # the average is in the old residual's buffer
             for member, (position, param) in enumerate(zip(bucket.positions, bucket.params)):
                 if not used[position]:
                     param.grad = None
                     continue
-                view = bucket.view(average, member)
+                view = bucket.grad_views[member]
                 param.grad = view if param.dtype == torch.float32 else view.to(param.dtype)
             bucket.reset()
         self.next_launch = 0

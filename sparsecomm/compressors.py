@@ -66,15 +66,35 @@ class Message:
             self.count = int(self.count_tensor.item())
         return self.count
 
-    def nonfinite(self) -> torch.Tensor:
-        """A 0-dim bool device tensor: does this message carry a NaN or Inf? (No host
-        sync.) Every compressor sends a non-finite value whenever ``grad + residual`` holds
-        one (TopK and Threshold select NaN and Inf first; Cast and Dense send everything),
-        so this check of what is sent covers what is kept too."""
+    def peak(self, world_size: int) -> torch.Tensor:
+        """A 0-dim float32 device tensor (no host sync): the largest magnitude this message
+        sends, as a fraction of :func:`sum_limit` (how large the magnitudes of
+        ``world_size`` values may add up to for their sum to stay finite). NaN or Inf when
+        the message carries one.
+
+        Every compressor sends a non-finite value whenever ``grad + residual`` holds one
+        (TopK and Threshold select NaN and Inf first; Cast and Dense send everything), so
+        this check of what is sent covers what is kept too. If the peaks of all ranks add
+        up to more than 1, the sum over the ranks could overflow."""
         values = self.values if self.indices is None else self.values[: self.known_count()]
         if values.numel() == 0:
-            return torch.zeros((), dtype=torch.bool, device=values.device)
-        return ~torch.isfinite(values).all()
+            return torch.zeros((), dtype=torch.float32, device=values.device)
+        # One pass (NaN propagates), then one divide: two launches.
+        peak = torch.linalg.vector_norm(values, ord=math.inf, dtype=torch.float32)
+        # A divide, not a multiply: 1 / 3.4e38 would be a float32 subnormal.
+        return peak.div_(sum_limit(values.dtype, world_size))
+
+
+def sum_limit(dtype: torch.dtype, world_size: int) -> float:
+    """The largest ``B`` such that any ``world_size`` values of ``dtype`` whose magnitudes
+    add up to at most ``B`` sum to a finite value, however the collective orders and
+    rounds the additions: ``max * (1 + u) ** (2 - W)`` with ``u`` the unit roundoff (a
+    sum of W terms is rounded W - 1 times, each by at most a factor ``1 + u``, and
+    overflows only past ``max * (1 + u)``), less 2**-20 for the rounding of the peaks
+    themselves."""
+    finfo = torch.finfo(dtype)
+    unit_roundoff = finfo.eps / 2
+    return finfo.max * (1 + unit_roundoff) ** min(0, 2 - world_size) * (1 - 2.0**-20)
 
 
 @dataclass
@@ -89,7 +109,7 @@ class Exchange:
             rank, where the message is its own result).
         counts: pairs per rank (sparse messages), ``None`` when fixed or dense.
         width: pairs per rank in the gathered payload (0 for a dense exchange).
-        nonfinite: 0-dim bool device tensor, this rank's message held NaN or Inf.
+        peak: :meth:`Message.peak` of this rank's message (None when not checked).
     """
 
     message: Message
@@ -98,10 +118,15 @@ class Exchange:
     comm: Communicator
     counts: list[int] | None = None
     width: int = 0
-    nonfinite: torch.Tensor | None = None
+    peak: torch.Tensor | None = None
     #: True when the exchange is an all-reduce of dense values (also a sparse message
     #: that switched to dense because that moves fewer bytes).
     dense: bool = False
+
+    @property
+    def nonfinite(self) -> torch.Tensor | None:
+        """0-dim bool device tensor: did this rank's message hold NaN or Inf."""
+        return None if self.peak is None else ~torch.isfinite(self.peak)
 
 
 class Compressor:
@@ -116,8 +141,9 @@ class Compressor:
         raise NotImplementedError
 
     def start(self, message: Message, comm: Communicator, check: bool = True) -> Exchange:
-        """Start the collectives. ``check``: also flag a non-finite message
-        (``Exchange.nonfinite``); without it the flag is None."""
+        """Start the collectives. ``check``: also measure the message's peak
+        (``Exchange.peak``, which flags NaN, Inf and sums that could overflow); without
+        it the peak is None."""
         raise NotImplementedError
 
     def finish(self, exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
@@ -155,9 +181,13 @@ def _start_all_reduce(
     """Check ``dense`` (what this rank sends) and start summing it in place over the ranks."""
     message.wire_bytes = dense.numel() * dense.element_size()
     # Before the sum overwrites this rank's values.
-    nonfinite = message.nonfinite() if check else None
+    peak = _peak(dense, comm.world_size) if check else None
     work = comm.start_all_reduce_(dense)
-    return Exchange(message, work, dense, comm, nonfinite=nonfinite, dense=True)
+    return Exchange(message, work, dense, comm, peak=peak, dense=True)
+
+
+def _peak(dense: torch.Tensor, world_size: int) -> torch.Tensor:
+    return Message(numel=dense.numel(), values=dense).peak(world_size)
 
 
 def _finish_mean(exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
@@ -193,9 +223,10 @@ class Dense(Compressor):
 class Cast(Compressor):
     """Send the bucket as fp16 or bf16 with an all-reduce; the rounding error is the residual.
 
-    Each rank divides by the power of two at or above the world size before the cast, so a
-    sum of W fp16 values cannot overflow; values beyond the half type's range are clamped
-    and the excess stays in the residual. SINGA: ``fusedSynchHalf`` / ``synchHalf``, which
+    Each rank divides by the power of two at or above the world size before the cast and
+    clamps to :meth:`limit`, about ``max / W``, so a sum of W casts cannot overflow; the
+    clamp cuts only values beyond about the half type's range (before the prescale), and
+    the excess stays in the residual. SINGA: ``fusedSynchHalf`` / ``synchHalf``, which
     drop the rounding error.
 
     Args:
@@ -229,9 +260,21 @@ class Cast(Compressor):
     def prescale(world_size: int) -> float:
         return 2.0 ** -math.ceil(math.log2(world_size)) if world_size > 1 else 1.0
 
+    def limit(self, world_size: int) -> float:
+        """The clamp, after the prescale: the largest value of the half type that
+        ``world_size`` ranks can each send without their sum overflowing (at least
+        ``max / world_size``, so at least the type's range before the prescale)."""
+        if world_size == 1:  # nothing is summed
+            return torch.finfo(self.dtype).max
+        bound = sum_limit(self.dtype, world_size) / world_size
+        mantissa, exponent = math.frexp(bound)  # bound = mantissa * 2**exponent
+        bits = -int(math.log2(torch.finfo(self.dtype).eps)) + 1  # significand bits
+        return math.floor(mantissa * 2**bits) * 2.0 ** (exponent - bits)
+
     def compress(self, grad, residual, world_size):
         scale = self.prescale(world_size)
-        half = _ops.cast_compress(grad, residual, self.dtype, scale)
+        limit = self.limit(world_size)
+        half = _ops.cast_compress(grad, residual, self.dtype, scale, limit)
         return Message(numel=grad.numel(), values=half, scale=scale)
 
     def start(self, message, comm, check=True):
@@ -262,7 +305,7 @@ class _Sparse(Compressor):
             message.wire_bytes = count * PAIR_BYTES
             return Exchange(
                 message, None, None, comm, width=count,
-                nonfinite=message.nonfinite() if check else None,
+                peak=message.peak(world_size) if check else None,
             )  # fmt: skip
         counts = self._gather_counts(message, comm)
         width = max(counts)
@@ -280,7 +323,7 @@ class _Sparse(Compressor):
         fixed = all(c == width for c in counts)
         return Exchange(
             message, work, gathered, comm, counts=None if fixed else counts, width=width,
-            nonfinite=message.nonfinite() if check else None,
+            peak=message.peak(world_size) if check else None,
         )  # fmt: skip
 
     def finish(self, exchange, out):

@@ -43,20 +43,30 @@ warnings.filterwarnings(
 
 
 class NonFiniteGradientError(RuntimeError):
-    """A gradient held NaN or Inf on some rank. Raised by ``step()`` on every rank alike;
-    nothing (parameters, residuals, optimizer state) was changed.
+    """The averaged gradient would not be finite: a gradient (plus residual) held NaN or
+    Inf on some rank, or finite values so large that their sum over the ranks would
+    overflow. Raised by ``step()`` on every rank alike; nothing (parameters, residuals,
+    optimizer state) was changed.
 
     Attributes:
-        ranks: the ranks (in the process group) whose gradients were not finite.
+        ranks: the ranks (in the process group) whose values were not finite, or, when
+            ``too_large``, whose values were the largest (above 1/W of the sum's limit).
+        too_large: True when every value was finite but their sum could overflow.
     """
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], too_large: bool = False):
         self.ranks = ranks
+        self.too_large = too_large
+        what = (
+            f"finite gradients on rank(s) {ranks} so large that their sum over the ranks "
+            "would overflow"
+            if too_large
+            else f"non-finite gradient (NaN or Inf) on rank(s) {ranks}"
+        )
         super().__init__(
-            f"non-finite gradient (NaN or Inf) on rank(s) {ranks}: the step was not taken on "
-            "any rank, and parameters, residuals and optimizer state are unchanged. Lower the "
-            "learning rate, clip gradients, or train under torch.amp.GradScaler, which skips "
-            "such steps on every rank together."
+            f"{what}: the step was not taken on any rank, and parameters, residuals and "
+            "optimizer state are unchanged. Lower the learning rate, clip gradients, or "
+            "train under torch.amp.GradScaler, which skips such steps on every rank together."
         )
 
 
@@ -165,7 +175,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
-        self._bad_ranks: list[int] = []
+        #: The step's refusal, agreed by every rank (None: the step is good).
+        self._refusal: NonFiniteGradientError | None = None
         self._step_stats = StepStats()
         self._hooks: list = []
         self._register_hooks(self._params)
@@ -224,10 +235,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Collective: every rank must call it. Raises :class:`NonFiniteGradientError` as
         ``step()`` does (the step is then dropped on every rank)."""
         self._synchronize(grad_scaler=None)
-        if self._bad_ranks:
-            bad_ranks = self._bad_ranks
+        if self._refusal is not None:
+            refusal = self._refusal
             self._finish_step(skipped=True)
-            raise NonFiniteGradientError(bad_ranks)
+            raise refusal
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
@@ -261,11 +272,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 )
             self._overlapping = False
         self._synchronize(grad_scaler)
-        if self._bad_ranks:
-            bad_ranks = self._bad_ranks
+        if self._refusal is not None:
+            refusal = self._refusal
             self._finish_step(skipped=True)
             if grad_scaler is None:
-                raise NonFiniteGradientError(bad_ranks)
+                raise refusal
             return loss
         self._finish_step(skipped=False)
         self.optimizer.step()
@@ -374,12 +385,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         engine = self._engine
         engine.launch_all()
         stats = self._sent_stats()
-        bad_ranks, used = self._agree_on_step(
-            engine.nonfinite_flag(), engine.local_used(len(self._params))
+        bad_ranks, too_large, used = self._agree_on_step(
+            engine.peak(), engine.local_used(len(self._params))
         )
+        refused = bool(bad_ranks)
         for flag in found_inf:
-            flag.fill_(1.0 if bad_ranks else 0.0)
-        if bad_ranks:
+            flag.fill_(1.0 if refused else 0.0)
+        if refused:
             engine.abandon()
         else:
             device = engine.buckets[0].device if engine.buckets else torch.device("cpu")
@@ -389,7 +401,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             stats.aggregate_seconds = finished - started - (self._comm.seconds - comm_before)
         stats.compress_seconds = engine.compress_seconds
         stats.communicate_seconds = self._comm.seconds
-        self._bad_ranks = bad_ranks
+        self._refusal = NonFiniteGradientError(bad_ranks, too_large) if refused else None
         self._step_stats = stats
         self._synchronized = True
 
@@ -400,7 +412,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.last_stats = stats
         self.total_stats = self.total_stats + stats
         self._synchronized = False
-        self._bad_ranks = []
+        self._refusal = None
         self._step_stats = StepStats()
         self._engine.compress_seconds = 0.0
         self._comm.seconds = 0.0
@@ -418,22 +430,33 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return stats
 
     def _agree_on_step(
-        self, nonfinite: torch.Tensor | None, used_here: list[bool]
-    ) -> tuple[list[int], list[bool]]:
-        """One small all-reduce: which ranks sent a non-finite value, and which parameters
-        had a gradient on some rank. Every rank gets the same answer."""
+        self, peak: torch.Tensor | None, used_here: list[bool]
+    ) -> tuple[list[int], bool, list[bool]]:
+        """One small all-reduce: each rank's peak (the largest magnitude it sent, as a
+        fraction of what W ranks may each send for their sum to stay finite; NaN or Inf
+        when it sent one), and which parameters had a gradient on some rank. Returns the
+        ranks to blame, whether their values were finite (but too large to add up), and
+        the used flags. Every rank gets the same answer."""
         world_size = self.world_size
-        device = nonfinite.device if nonfinite is not None else torch.device("cpu")
+        device = peak.device if peak is not None else torch.device("cpu")
         flags = torch.zeros(world_size + len(used_here), device=device)
-        if nonfinite is not None:
-            flags[self.rank] = nonfinite.float()
+        if peak is not None:
+            flags[self.rank] = peak
         used = torch.tensor(used_here, dtype=torch.float32)
         if device.type == "cuda":
             used = used.pin_memory()  # so the copy does not wait for the device
         flags[world_size:] = used.to(device, non_blocking=True)
-        flags = self._comm.all_reduce_(flags, op="max").tolist()  # the step's one host sync
-        bad_ranks = [r for r in range(world_size) if flags[r] > 0]
-        return bad_ranks, [f > 0 for f in flags[world_size:]]
+        # A sum: each rank's peak has a slot of its own (the others add 0 there, and NaN
+        # stays NaN), and a used flag is above 0 if any rank used the parameter.
+        flags = self._comm.all_reduce_(flags).tolist()  # the step's one host sync
+        peaks = flags[:world_size]
+        used = [f > 0 for f in flags[world_size:]]
+        nonfinite = [r for r in range(world_size) if not math.isfinite(peaks[r])]
+        if nonfinite:
+            return nonfinite, False, used
+        if world_size > 1 and sum(peaks) > 1:  # the sum over the ranks could overflow
+            return [r for r in range(world_size) if peaks[r] > 1 / world_size], True, used
+        return [], False, used
 
     def _unscale(self, grad_scaler) -> list[torch.Tensor]:
         """Unscale the gradients with ``grad_scaler`` (unless the user already did) and return
@@ -604,6 +627,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         kept = self._residuals_by_position()
         for position, (saved, param) in enumerate(zip(residuals, self._params)):
             if saved is None:
+                if kept[position] is not None:
+                    raise refuse(
+                        f"residual {position} is None, but this optimizer keeps one for "
+                        "that parameter (the checkpoint would lose what it had not sent)"
+                    )
                 continue
             if not torch.is_tensor(saved):
                 raise refuse(f"residual {position} is a {type(saved).__name__}, not a tensor")

@@ -385,15 +385,16 @@ def sum_overflow(rank, world_size, group):
         grad = torch.randn(2000, generator=torch.Generator().manual_seed(rank)) * 1e-3
         grad[:10] = value
         before = state_of(opt, [weight], stats=False)
-        caught = None
+        caught, too_large = None, None
         try:
             backward_with({weight: grad})
             opt.step()
         except sparsecomm.NonFiniteGradientError as error:
-            caught = error.ranks
+            caught, too_large = error.ranks, error.too_large
         opt.zero_grad()
         out[name] = {
             "caught": caught,
+            "too_large": too_large,
             "unchanged": state_of(opt, [weight], stats=False) == before,
             "finite": all_finite(opt, [weight]),
             "params": flat([weight]),

@@ -64,7 +64,7 @@ def test_cast_conservation_within_rounding(pair, dtype, world_size):
     # sent + residual re-rounds once in fp32; the residual itself is a single rounding.
     torch.testing.assert_close(sent + residual, expected, rtol=2**-23, atol=0)
     # The residual is no larger than half an ulp of the half type, or the clamped excess.
-    limit = torch.finfo(dtype).max / message.scale
+    limit = Cast(dtype).limit(world_size) / message.scale
     inside = expected.abs() <= limit
     eps = torch.finfo(dtype).eps
     tiny = torch.finfo(dtype).smallest_normal / message.scale
@@ -73,14 +73,18 @@ def test_cast_conservation_within_rounding(pair, dtype, world_size):
 
 
 def test_cast_fp16_overflow_stays_in_the_residual():
-    grad = torch.tensor([1e6, -70000.0, 65504.0, 1.0], device=DEVICE)
-    residual = torch.zeros(4, device=DEVICE)
+    grad = torch.tensor([1e6, -70000.0, 65504.0, 60000.0, 1.0], device=DEVICE)
+    residual = torch.zeros(5, device=DEVICE)
     message = Cast(torch.float16).compress(grad, residual, world_size=2)
     assert message.scale == 0.5
+    # The clamp after the prescale: the largest fp16 that two ranks can each send without
+    # their sum overflowing (65472 = 2 * 32736, below 65504, however it is rounded).
+    limit = Cast(torch.float16).limit(2)
+    assert limit == 32736.0
     assert torch.isfinite(message.values.float()).all()
-    assert message.values.float().tolist() == [65504.0, -35008.0, 32752.0, 0.5]
-    # -70000 / 2 rounds to -35008 (fp16 spacing 32 there): 16 stays behind.
-    assert residual.tolist() == [1e6 - 131008.0, 16.0, 0.0, 0.0]
+    # 60000 / 2 = 30000 is an fp16 value; the rest, beyond 2 * limit, is clamped.
+    assert message.values.float().tolist() == [limit, -limit, limit, 30000.0, 0.5]
+    assert residual.tolist() == [1e6 - 65472.0, -70000.0 + 65472.0, 32.0, 0.0, 0.0]
 
 
 def _oracle_topk(acc: torch.Tensor, k: int) -> list[int]:

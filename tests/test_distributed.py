@@ -69,14 +69,18 @@ def _sent(compressor, grad, residual, world_size):
     """What one rank sends, derived independently of the optimizer from the kernels' torch
     references (the documented semantics) applied to copies of its gradient and residual:
     ``(kind, payload, residual after)`` with kind ``dense`` (fp32 values), ``half`` (the
-    fp16/bf16 values, pre-divided by the power of two at or above W) or ``pairs``
+    fp16/bf16 values, pre-divided by the power of two at or above W and clamped) or ``pairs``
     (indices, values)."""
     grad, residual = grad.clone(), residual.clone()
     if isinstance(compressor, sparsecomm.Dense):
         return "dense", grad, residual  # no residual: it stays zero
     if isinstance(compressor, sparsecomm.Cast):
         scale = 2.0 ** -math.ceil(math.log2(world_size)) if world_size > 1 else 1.0
-        return "half", cast_ref.cast_compress_ref(grad, residual, compressor.dtype, scale), residual
+        # The documented clamp, about max / W (test_kernel_cast checks that W of them add up
+        # to a finite sum).
+        limit = compressor.limit(world_size)
+        half = cast_ref.cast_compress_ref(grad, residual, compressor.dtype, scale, limit)
+        return "half", half, residual
     if isinstance(compressor, sparsecomm.Threshold):
         index, value, _ = threshold_ref.threshold_compress_ref(grad, residual, compressor.threshold)
     else:

@@ -17,8 +17,15 @@ import torch
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
-from sparsecomm.triton_kernels.cast import BLOCK_SIZE, cast_compress, cast_compress_ref
+from sparsecomm.triton_kernels.cast import (
+    BLOCK_SIZE,
+    cast_compress,
+    cast_compress_cpu,
+    cast_compress_ref,
+)
 from strategies import gradients
+
+import sparsecomm
 
 # numpy (the interpreter's arithmetic) warns where float32 overflows or makes NaN, as meant.
 pytestmark = [
@@ -186,6 +193,10 @@ BAD_ARGUMENTS = [
     ),
     ((torch.zeros(4), torch.zeros(3), torch.float16, 1.0), ValueError, "residual must be"),
     (([0.0] * 4, None, torch.float16, 1.0), TypeError, "grad must be a torch.Tensor"),
+    ((torch.zeros(4), None, torch.float16, 1.0, 0.0), ValueError, "limit must be a positive"),
+    ((torch.zeros(4), None, torch.float16, 1.0, 7e4), ValueError, "limit must be a positive"),
+    ((torch.zeros(4), None, torch.float16, 1.0, 1000.1), ValueError, "limit must be a positive"),
+    ((torch.zeros(4), None, torch.float16, 1.0, "9"), TypeError, "limit must be a float"),
 ]
 
 
@@ -224,3 +235,34 @@ def test_large_gpu_bit_exact(dtype):
     for scale in [1.0, 0.125]:
         check_against_ref(grad, residual, dtype, scale)
     check_against_ref(grad, None, dtype, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_clamp_limit_matches_reference_and_keeps_the_excess(dtype, world_size):
+    # The clamp Cast uses so that a sum of world_size casts stays finite.
+    compressor = sparsecomm.Cast(dtype)
+    scale, limit = compressor.prescale(world_size), compressor.limit(world_size)
+    big = limit / scale
+    over = min(2 * big, torch.finfo(torch.float32).max)  # finite in float32, beyond the clamp
+    grad = torch.tensor([0.5, big, -big, over, -over, INF, NAN, 1e-3, -0.0, 0.0])
+    residual = torch.linspace(-1, 1, grad.numel())
+    # Triton's interpreter rounds to bf16 its own way (see check_against_ref): bf16 bit
+    # equality of the Triton kernel is checked on the GPU.
+    exact_triton = dtype == torch.float16 or not INTERPRETED
+    impls = [(cast_compress_cpu, "cpu")] + ([(cast_compress, DEVICE)] if exact_triton else [])
+    for impl, device in impls:
+        kernel_residual, ref_residual = residual.clone().to(device), residual.clone()
+        half = impl(grad.to(device), kernel_residual, dtype, scale, limit).cpu()
+        ref_half = cast_compress_ref(grad, ref_residual, dtype, scale, limit)
+        assert_same_bits(half, ref_half, f"{impl.__name__} values")
+        assert_same_bits(kernel_residual.cpu(), ref_residual, f"{impl.__name__} residual")
+    if over * scale > limit:  # (for bf16 at W = 3 no finite float32 reaches the clamp)
+        assert ref_half[3].item() == limit and ref_half[4].item() == -limit
+        acc = grad + residual
+        assert ref_residual[3].item() == pytest.approx(acc[3].item() - limit / scale, rel=1e-6)
+    # world_size copies of the clamp, added one by one in the half type, stay finite.
+    total = torch.zeros((), dtype=dtype)
+    for _ in range(world_size):
+        total = total + torch.tensor(limit, dtype=dtype)
+    assert torch.isfinite(total)

@@ -59,7 +59,11 @@ def _cast_compress_kernel(
 
 
 def cast_compress(
-    grad: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype, scale: float = 1.0
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Fused Triton version of :func:`cast_compress_ref`, the same bits.
 
@@ -72,6 +76,8 @@ def cast_compress(
             (0 where ``acc`` is infinite); ``None`` runs without error feedback.
         dtype: ``torch.float16`` or ``torch.bfloat16``.
         scale: a power of two, multiplied into ``acc`` before the cast.
+        limit: finite values are clamped to ``[-limit, limit]`` after scaling (default:
+            the largest finite value of ``dtype``; must be one of ``dtype``'s values).
 
     Returns:
         The ``dtype`` tensor ``half``.
@@ -83,7 +89,7 @@ def cast_compress(
         [1.0, 65504.0, -0.0010004043579101562]
     """
     check_grad_residual(grad, residual)
-    check_cast_args(dtype, scale)
+    limit = check_cast_args(dtype, scale, limit)
     n = grad.numel()
     half = torch.empty(n, dtype=dtype, device=grad.device)
     if n == 0:
@@ -100,7 +106,7 @@ def cast_compress(
         n,
         scale32,
         inv_scale32,
-        LIMIT=torch.finfo(dtype).max,
+        LIMIT=limit,
         FLOAT32_MAX=torch.finfo(torch.float32).max,
         HAS_RESIDUAL=residual is not None,
         BLOCK_SIZE=BLOCK_SIZE,
@@ -113,12 +119,18 @@ def cast_compress(
 
 
 def cast_compress_ref(
-    grad: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype, scale: float = 1.0
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Cast ``acc = grad + residual``, multiplied by ``scale``, to ``dtype``.
 
-    A finite value is clamped to the largest finite value of ``dtype`` before rounding to
-    nearest even, so no finite value overflows to infinity: what the clamp cuts off stays in
+    A finite value is clamped to ``[-limit, limit]`` (by default the largest finite value
+    of ``dtype``) before rounding to nearest even, so no finite value overflows to
+    infinity, nor a sum of ``world_size`` of them when the caller passes
+    ``Cast.limit(world_size)``: what the clamp cuts off stays in
     the residual like any other rounding error. An infinite ``acc`` is sent as the infinity
     of ``dtype`` (its residual becomes 0: it was sent whole), so that the all-reduced sum
     shows it. NaN passes through as NaN (and stays in the residual).
@@ -130,15 +142,15 @@ def cast_compress_ref(
             without error feedback.
         dtype: ``torch.float16`` or ``torch.bfloat16``.
         scale: a power of two (so that multiplying by it and by its inverse is exact);
-            the caller passes ``1 / 2**ceil(log2(world_size))`` so that a sum of
-            ``world_size`` casts cannot overflow.
+            the caller passes ``1 / 2**ceil(log2(world_size))``.
+        limit: a positive value of ``dtype`` at most its largest finite value (the
+            default).
 
     Returns:
         The ``dtype`` tensor ``half``.
     """
-    check_cast_args(dtype, scale)
+    limit = check_cast_args(dtype, scale, limit)
     acc = grad if residual is None else grad + residual
-    limit = torch.finfo(dtype).max
     scaled = acc * scale
     infinite = acc.isinf()
     half = torch.where(infinite, scaled, scaled.clamp(-limit, limit)).to(dtype)
@@ -148,7 +160,11 @@ def cast_compress_ref(
 
 
 def cast_compress_cpu(
-    grad: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype, scale: float = 1.0
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Fast CPU version of :func:`cast_compress_ref`: the same half tensor and residual, bit
     for bit.
@@ -162,10 +178,9 @@ def cast_compress_cpu(
     """
     check_grad_residual(grad, residual)
     _cpu.require_cpu(grad, "cast_compress_cpu")
-    check_cast_args(dtype, scale)
+    limit = check_cast_args(dtype, scale, limit)
     n = grad.numel()
     half = torch.empty(n, dtype=dtype)
-    limit = torch.finfo(dtype).max
     inverse = 1.0 / scale
     scratch = torch.empty(min(n, _cpu.CHUNK), dtype=torch.float32)
     for start, end in _cpu.chunks(n):
@@ -194,10 +209,11 @@ def cast_compress_cpu(
     return half
 
 
-def check_cast_args(dtype: torch.dtype, scale: float) -> None:
+def check_cast_args(dtype: torch.dtype, scale: float, limit: float | None = None) -> float:
     """``DtypeError`` (a ``TypeError`` and a ``ValueError``) unless ``dtype`` is fp16 or
     bf16; ``TypeError`` unless ``scale`` is a real number, ``ValueError`` unless it is a
-    positive power of two."""
+    positive power of two or ``limit`` is not a positive value of ``dtype`` within its
+    range. Returns the clamp limit (``limit``, or ``dtype``'s largest finite value)."""
     if dtype not in HALF_DTYPES:
         raise DtypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -205,3 +221,13 @@ def check_cast_args(dtype: torch.dtype, scale: float) -> None:
     mantissa, _ = math.frexp(scale)
     if not (scale > 0 and mantissa == 0.5):
         raise ValueError(f"scale must be a positive power of two, got {scale}")
+    largest = torch.finfo(dtype).max
+    if limit is None:
+        return largest
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+        raise TypeError(f"limit must be a float, got {type(limit).__name__}")
+    if not (0 < limit <= largest) or float(torch.tensor(limit).to(dtype)) != limit:
+        raise ValueError(
+            f"limit must be a positive {dtype} value at most {largest}, got {limit}"
+        )
+    return float(limit)

@@ -300,9 +300,10 @@ def scatter_add_cpu(
     added with ``index_add_`` (one float32 add per pair, as in the reference), rank after
     rank. When every row's indices ascend (as the compressors send them) and the output
     outgrows the last-level cache (``_TILED_MIN_NUMEL``), the work goes tile by tile, and in
-    each tile rank by rank: the same additions in the same order per element, with the tile zeroed and summed
-    in cache instead of every rank sweeping the whole output. Indices outside ``[0, numel)``
-    raise ``IndexError`` (the reference's indexing raises, or wraps negative ones).
+    each tile rank by rank: the same additions in the same order per element, with the tile
+    zeroed and summed in cache instead of every rank sweeping the whole output. Indices
+    outside ``[0, numel)`` raise ``IndexError`` (the reference's indexing raises, or wraps
+    negative ones).
 
     Args and returns: as :func:`scatter_add_ref`; CPU tensors only.
     """
