@@ -347,19 +347,27 @@ def test_step_model_adds_compute_compression_and_exposed_communication():
 
 
 @pytest.mark.parametrize(
-    "overlap, backward, exposed",
+    "overlap, backward, cap_mb, exposed",
     [
-        (1.0, 0.004, 0.002),  # 6 ms of communication, 4 ms hidden
-        (0.5, 0.004, 0.004),  # half of 4 ms hidden
-        (1.0, 0.03, 0.0),  # all of it hidden: nothing left to show
-        (0.0, 0.03, 0.006),  # an exchange after backward hides nothing
+        # 1e6 fp32 in 1 MiB buckets of 262144: 3 full, then 213568 (21.3568%) sent last.
+        (1.0, 0.004, 1, 0.002),  # 6 ms of communication, 4 ms hidden
+        (0.5, 0.004, 1, 0.004),  # half of 4 ms hidden
+        (1.0, 0.03, 1, 0.006 * 0.213568),  # all but the last bucket's share hidden
+        (0.0, 0.03, 1, 0.006),  # an exchange after backward hides nothing
+        (1.0, 0.03, 25, 0.006),  # one bucket: sent when backward ends, nothing hides
     ],
 )
-def test_overlap_hides_communication_up_to_backward(overlap, backward, exposed):
+def test_overlap_hides_communication_up_to_backward(overlap, backward, cap_mb, exposed):
     (dense, *_) = plan(
-        1e6, 4, 1e9, compute_seconds=0.05, backward_seconds=backward, overlap=overlap
+        1e6,
+        4,
+        1e9,
+        bucket_cap_mb=cap_mb,
+        compute_seconds=0.05,
+        backward_seconds=backward,
+        overlap=overlap,
     )
-    assert dense.exposed_s == pytest.approx(exposed, abs=1e-15)
+    assert dense.exposed_s == pytest.approx(exposed, rel=1e-12)
     assert dense.step_s == pytest.approx(0.05 + exposed, rel=1e-12)
 
 
@@ -392,8 +400,17 @@ def test_ties_go_to_the_less_aggressive_compressor():
     # fp16 and bf16 move the same bytes; bf16 is named (no overflow to fear).
     tied = [r for r in rows if r.name.startswith("Cast")]
     assert pick(tied).name == "Cast bf16"
-    # Everything hidden behind backward: every row takes the compute alone; Dense wins.
-    hidden = plan(1e6, 4, 1e9, compute_seconds=1.0, backward_seconds=0.5)
+    # Everything but the last bucket hidden behind backward: Dense's 1.3 ms of 6 ms is left,
+    # less than a compressor that costs 2 ns per element (2 ms); Dense wins.
+    hidden = plan(
+        1e6,
+        4,
+        1e9,
+        bucket_cap_mb=1,
+        compress_ns_per_element=2.0,
+        compute_seconds=1.0,
+        backward_seconds=0.5,
+    )
     assert pick(hidden).name == "Dense fp32"
 
 
