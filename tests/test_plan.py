@@ -451,6 +451,7 @@ def test_parse_compress_costs():
         (lambda: plan(1e6, 4, 1e9, overlap=1.5), ["overlap", "[0, 1]"]),
         (lambda: plan(1e6, 4, 1e9, backward_seconds=0.1), ["backward_seconds", "compute"]),
         (lambda: plan(1e6, 4, 1e9, compute_seconds=-1.0), ["compute_seconds", ">= 0"]),
+        (lambda: plan(1e6, 4, 1e9, host_bandwidth=0.0), ["host_bandwidth", "8Gbit"]),
         (lambda: plan(1e6, 4, 1e9, compress_ns_per_element=-1.0), ["compress", ">= 0"]),
         (lambda: plan(1e6, 4, 1e9, compress_ns_per_element={"topk": -1}), ["TopK", ">= 0"]),
         (lambda: plan(1e6, 4, 1e9, threshold_densities=(2.0,)), ["densities", "0.01"]),
@@ -486,6 +487,25 @@ def test_cli_step_model():
     assert "Recommendation: Use Threshold(t) (t giving 0.1%) with error_feedback" in result.stdout
 
 
+def test_cli_overlap_and_host_bandwidth():
+    # The 1gbit row of the after-redesign run, without the measured costs: 14.4M fp32 on 2
+    # ranks at 0.5 Gbit/s per rank, compute 421 ms of which backward 211 ms, overlap 0.61, the
+    # unshaped loopback's 8.12 Gbit/s per rank as the host bandwidth.
+    result = run_cli(
+        "--params", "14417920", "--world-size", "2", "--bandwidth", "500Mbit",
+        "--densities", "0.01", "--compute-seconds", "421ms", "--backward-seconds", "211ms",
+        "--overlap", "0.61", "--host-bandwidth", "8.12Gbit",
+        "--compress-ns-per-element", "topk=2.3,cast=2.5,threshold=1.4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "+ bytes / host 8.12 Gbit/s +" in result.stdout
+    assert "not hidden behind 0.61 x backward 211 ms" in result.stdout
+    # Dense: 57.7 MB -> 923 ms on the link, 129 ms of it hidden, 56.8 ms of host time.
+    line = next(row for row in result.stdout.splitlines() if row.startswith("| Dense fp32"))
+    step = 0.421 + 57671680 / 1.015e9 + 57671680 / 6.25e7 - 0.61 * 0.211
+    assert f"{step:.3g} s" in line, (line, step)
+
+
 def test_cli_measure():
     result = run_cli(
         "--params", "2e5", "--world-size", "2", "--bandwidth", "1Gbit", "--measure",
@@ -504,6 +524,7 @@ def test_cli_measure():
         (["--compute-seconds", "0.5"], ["--compute-seconds", "0.8s"]),
         (["--compress-ns-per-element", "lots"], ["compress", "topk=9"]),
         (["--overlap", "2"], ["overlap", "[0, 1]"]),
+        (["--host-bandwidth", "8"], ["bandwidth", "no unit"]),
     ],
 )
 def test_cli_step_model_bad_input_exits_2(args, words):
