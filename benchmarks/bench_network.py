@@ -871,7 +871,7 @@ def planner_check(
 
     ``overlap``: the planner's overlap fraction; None fits it to this run's Dense and Cast
     rows (:func:`_fit_overlap`). ``host_bandwidth`` (bytes/s per rank): None takes the run's
-    unshaped loopback rate, if it has one."""
+    unshaped loopback rate, if it has one (``float("inf")``: the transport costs no compute)."""
     try:
         from sparsecomm import plan as planner
     except ImportError:
