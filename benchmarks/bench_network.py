@@ -810,6 +810,16 @@ def agrees(pick: dict, fastest: dict) -> bool:
     return pick is fastest or pick["p20"] <= fastest["p80"]
 
 
+def _checkable_rates(results: dict):
+    """``(rate, data, link, none row)`` for each rate with a measured link and a `none` row."""
+    for rate in results["rates"]:
+        data = rate["data"] or {}
+        link = data.get("link") or {}
+        none = _row(rate, "none")
+        if "aggregate_bytes_per_s" in link and none is not None:
+            yield rate, data, link, none
+
+
 def _fit_overlap(results: dict, host_bandwidth: float | None) -> float | None:
     """The overlap fraction this run shows: for each Dense() and Cast row whose modelled
     communication outlasts backward (so the hideable part is used up), the seconds the
@@ -817,12 +827,7 @@ def _fit_overlap(results: dict, host_bandwidth: float | None) -> float | None:
     from sparsecomm import plan as planner
 
     fits = []
-    for rate in results["rates"]:
-        data = rate["data"] or {}
-        link = data.get("link") or {}
-        none = _row(rate, "none")
-        if "aggregate_bytes_per_s" not in link or none is None:
-            continue
+    for _rate, data, link, none in _checkable_rates(results):
         world_size, params = data["world_size"], data["params"]
         backward = none["phases_s"]["backward"]
         for row in data.get("rows", []):
@@ -884,12 +889,7 @@ def planner_check(
         if overlap is None:
             overlap = 0.0
     out = []
-    for rate in results["rates"]:
-        data = rate["data"] or {}
-        link = data.get("link") or {}
-        none = _row(rate, "none")
-        if "aggregate_bytes_per_s" not in link or none is None:
-            continue
+    for rate, data, link, none in _checkable_rates(results):
         world_size, params = data["world_size"], data["params"]
         measured = {}
         costs = {}
