@@ -64,6 +64,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -222,9 +223,9 @@ def make_parser() -> argparse.ArgumentParser:
     add(
         "--planner-overlap",
         type=float,
-        default=0.0,
-        help="overlap fraction the planner check assumes for sparsecomm's exchange "
-        "(0: CompressedOptimizer exchanges in step(), after backward)",
+        default=None,
+        help="overlap fraction the planner check gives sparsecomm.plan (default: fitted to "
+        "the run's Dense() and Cast rows; 0: an exchange after backward)",
     )
     return parser
 
@@ -695,15 +696,23 @@ def format_report(results: dict) -> str:
             "",
             check["how"],
             "",
-            "| rate | per-rank bandwidth | planner recommends | its model, ms | measured "
-            "fastest | measured, ms | agree |",
-            "|---|---:|---|---:|---|---:|---|",
+            "| rate | per-rank bandwidth | planner recommends | its model, ms | measured, ms "
+            "[p20-p80] | measured fastest | measured, ms [p20-p80] | gap | agree |",
+            "|---|---:|---|---:|---:|---|---:|---:|---|",
         ]
+
+        def spread(step):
+            if not step:
+                return "-"
+            return f"{_ms(step['median'])} [{_ms(step['p20'])}-{_ms(step['p80'])}]"
+
         for item in check["rates"]:
+            gap = item.get("gap")
             lines.append(
                 f"| {item['rate']} | {_gbit(item['bandwidth'])} Gbit/s | {item['recommended']} "
-                f"| {_ms(item['predicted_s'])} | {item['fastest']} | {_ms(item['fastest_s'])} "
-                f"| {item['agree']} |"
+                f"| {_ms(item['predicted_s'])} | {spread(item.get('recommended_measured'))} "
+                f"| {item['fastest']} | {spread(item.get('fastest_measured'))} "
+                f"| {'-' if gap is None else f'{100 * gap:+.1f}%'} | {item['agree']} |"
             )
         lines.append("")
     for rate in rates:
@@ -793,20 +802,94 @@ def _plan_name(row: str, density: float | None) -> str | None:
     return None
 
 
-def planner_check(results: dict, overlap: float) -> dict | None:
-    """Feed the planner this run's numbers and compare its pick with the fastest measured
-    sparsecomm row at each rate."""
-    try:
-        from sparsecomm import plan as planner
-    except ImportError:
-        return None
-    out = []
+def agrees(pick: dict, fastest: dict) -> bool:
+    """The agreement rule of the planner check: the pick is the fastest measured row, or its
+    p20-p80 range of step times overlaps the fastest row's (``pick p20 <= fastest p80``): the
+    run's own noise cannot say which of the two is faster. ``pick``, ``fastest``: a row's
+    ``step_s`` (median, p20, p80)."""
+    return pick is fastest or pick["p20"] <= fastest["p80"]
+
+
+def _checkable_rates(results: dict):
+    """``(rate, data, link, none row)`` for each rate with a measured link and a `none` row."""
     for rate in results["rates"]:
         data = rate["data"] or {}
         link = data.get("link") or {}
         none = _row(rate, "none")
-        if "aggregate_bytes_per_s" not in link or none is None:
-            continue
+        if "aggregate_bytes_per_s" in link and none is not None:
+            yield rate, data, link, none
+
+
+def _fit_overlap(results: dict, host_bandwidth: float | None) -> float | None:
+    """The overlap fraction this run shows: for each Dense() and Cast row whose modelled
+    communication outlasts backward (so the hideable part is used up), the seconds the
+    measured step is under the no-overlap model, over backward; the median, in [0, 1]."""
+    from sparsecomm import plan as planner
+
+    fits = []
+    for _rate, data, link, none in _checkable_rates(results):
+        world_size, params = data["world_size"], data["params"]
+        backward = none["phases_s"]["backward"]
+        for row in data.get("rows", []):
+            if row["row"] not in ("Dense()", "Cast(bf16)", "Cast(fp16)") or "profile" not in row:
+                continue
+            name = _PLAN_NAMES[row["row"]]
+            prof = row["profile"]
+            (model,) = [
+                r
+                for r in planner.plan(
+                    params,
+                    world_size,
+                    link["aggregate_bytes_per_s"] / world_size,
+                    latency=link["small_allreduce_s"] / (2 * (world_size - 1)),
+                    compress_ns_per_element={
+                        name: (prof["compress_s"] + prof["aggregate_s"]) / params * 1e9
+                    },
+                    compute_seconds=none["step_s"]["median"],
+                    overlap=0.0,
+                    host_bandwidth=host_bandwidth,
+                )
+                if r.name == name
+            ]
+            if backward > 0 and model.time_s > backward:
+                fits.append((model.step_s - row["step_s"]["median"]) / backward)
+    if not fits:
+        return None
+    return min(1.0, max(0.0, statistics.median(fits)))
+
+
+def _host_bandwidth(results: dict) -> float | None:
+    """The per-rank rate of the run's unshaped loopback (what gloo reaches when the cores
+    move the bytes with nothing shaping them), or None without an unshaped rate."""
+    for rate in results["rates"]:
+        link = (rate["data"] or {}).get("link") or {}
+        if rate["label"] == "unshaped" and "aggregate_bytes_per_s" in link:
+            return link["aggregate_bytes_per_s"] / rate["data"]["world_size"]
+    return None
+
+
+def planner_check(
+    results: dict, overlap: float | None = None, host_bandwidth: float | None = None
+) -> dict | None:
+    """Feed the planner this run's numbers and compare its pick with the fastest measured
+    sparsecomm row at each rate, by :func:`agrees`.
+
+    ``overlap``: the planner's overlap fraction; None fits it to this run's Dense and Cast
+    rows (:func:`_fit_overlap`). ``host_bandwidth`` (bytes/s per rank): None takes the run's
+    unshaped loopback rate, if it has one (``float("inf")``: the transport costs no compute)."""
+    try:
+        from sparsecomm import plan as planner
+    except ImportError:
+        return None
+    if host_bandwidth is None:
+        host_bandwidth = _host_bandwidth(results)
+    fitted = overlap is None
+    if fitted:
+        overlap = _fit_overlap(results, host_bandwidth)
+        if overlap is None:
+            overlap = 0.0
+    out = []
+    for rate, data, link, none in _checkable_rates(results):
         world_size, params = data["world_size"], data["params"]
         measured = {}
         costs = {}
@@ -819,7 +902,7 @@ def planner_check(results: dict, overlap: float) -> dict | None:
                 continue
             prof = row["profile"]
             costs[name] = (prof["compress_s"] + prof["aggregate_s"]) / params * 1e9
-            measured[name] = (row["row"], row["step_s"]["median"])
+            measured[name] = (row["row"], row["step_s"])
             if row["row"].startswith("TopK("):
                 densities.append(float(row["row"][5:-1]))
             if row["row"].startswith("Threshold("):
@@ -838,34 +921,57 @@ def planner_check(results: dict, overlap: float) -> dict | None:
             compute_seconds=none["step_s"]["median"],
             backward_seconds=none["phases_s"]["backward"],
             overlap=overlap,
+            host_bandwidth=host_bandwidth,
         )
         candidates = [r for r in rows if r.name in measured]
         pick = planner.pick(candidates)
-        fastest = min(measured.values(), key=lambda item: item[1])
+        fastest = min(measured.values(), key=lambda item: item[1]["median"])
+        mine = measured[pick.name]
         out.append(
             {
                 "rate": rate["label"],
                 "bandwidth": bandwidth,
-                "recommended": measured[pick.name][0],
+                "recommended": mine[0],
                 "predicted_s": pick.step_s,
+                "recommended_measured": mine[1],
                 "fastest": fastest[0],
-                "fastest_s": fastest[1],
-                "agree": "yes" if measured[pick.name][0] == fastest[0] else "no",
+                "fastest_s": fastest[1]["median"],
+                "fastest_measured": fastest[1],
+                "gap": mine[1]["median"] / fastest[1]["median"] - 1,
+                "agree": "yes" if agrees(mine[1], fastest[1]) else "no",
                 "model": {r.name: r.step_s for r in candidates},
-                "measured": {k: v[1] for k, v in measured.items()},
+                "measured": {k: v[1]["median"] for k, v in measured.items()},
                 "compress_ns_per_element": costs,
             }
         )
     if not out:
         return None
+    host = (
+        f"host bandwidth {host_bandwidth * 8 / 1e9:.3g} Gbit/s per rank (the unshaped "
+        "loopback's: each byte costs the cores 1/host bandwidth, never hidden)"
+        if host_bandwidth
+        else "no host bandwidth (the transport costs no compute time)"
+    )
     how = (
         "`sparsecomm.plan.plan()` given this run's numbers: per-rank bandwidth = measured "
-        "through-lo rate / W, latency = the 1-float all-reduce / 2(W-1), compute = the `none` "
-        "row's step, compression + aggregation cost per element from each row's profiled "
-        f"steps, overlap {overlap:g} (sparsecomm's exchange runs after backward). It picks among "
-        "the sparsecomm rows measured here; measured fastest is the lowest median of those rows."
+        "through-lo rate / W (loopback is one shared medium), latency = the 1-float all-reduce "
+        "/ 2(W-1), compute = the `none` row's step, backward = its backward phase, compression "
+        "+ aggregation cost per element from each row's profiled steps, "
+        + host
+        + f", overlap {overlap:.2g}"
+        + (
+            " (fitted to this run's Dense and Cast rows whose communication outlasts backward)"
+            if fitted
+            else ""
+        )
+        + ": step = compute + compress + bytes / host bandwidth + max(last bucket's "
+        "communication, communication - overlap x backward). It picks among the sparsecomm "
+        "rows measured here; measured fastest is the lowest median of those rows. Agree: the "
+        "pick is the fastest, or its p20-p80 step range overlaps the fastest's (pick p20 <= "
+        "fastest p80), so this run cannot tell the two apart; gap = pick's median / fastest's "
+        "- 1."
     )
-    return {"how": how, "overlap": overlap, "rates": out}
+    return {"how": how, "overlap": overlap, "host_bandwidth": host_bandwidth, "rates": out}
 
 
 # --------------------------------------------------------------------------- main

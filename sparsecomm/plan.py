@@ -33,14 +33,28 @@ The step model (per rank, per step) adds what the communication time leaves out:
   measure it by training without the wrapper);
 - compression and aggregation: ``n`` times a cost per gradient element for each compressor
   (``--compress-ns-per-element``, or ``--measure`` to time the compressors here on a tensor of
-  the model's size); they run on the same processor as backward, so nothing hides them;
-- overlap: communication can hide behind backward, up to ``overlap * backward`` seconds
-  (``--backward-seconds``, ``--overlap``); DistributedDataParallel's all-reduce runs during
-  backward, ``CompressedOptimizer`` exchanges inside ``step()``, after backward (overlap 0).
+  the model's size). Each bucket is compressed in a backward hook and aggregated after
+  backward, on the processor that runs backward, so nothing hides them;
+- overlap: ``CompressedOptimizer`` (like DistributedDataParallel) starts each bucket's
+  collective during backward, as soon as its gradients are in, so communication hides behind
+  backward, up to ``overlap * backward`` seconds (``--backward-seconds``, ``--overlap``), except
+  the last bucket's share (``tail``), which is sent when backward ends. ``overlap`` is the
+  fraction of backward that really runs beside the link: 1 where a NIC or GPU moves the bytes
+  while the processor computes, 0 for an exchange after backward (``overlap=False``);
+- the transport's own processor time: where the processor that computes also moves the bytes
+  (gloo over TCP on a CPU), each byte costs ``1 / host_bandwidth`` seconds that compete with
+  compute and never hide (``--host-bandwidth``: the per-rank rate of the same transport
+  unshaped, e.g. the loopback without ``tc``). Without it, the transport costs nothing.
 
-``step = compute + compress + max(0, communication - overlap * backward)``. The recommendation is
-the row with the smallest step (ties to the less aggressive compressor); without compute and
-compression figures that is the row with the least communication.
+``step = compute + compress + bytes / host_bandwidth + max(tail, communication - overlap *
+backward)``, with ``communication = bytes / bandwidth + latency terms`` as above and ``tail``
+the last bucket's part of it. Loopback is one shared medium: W ranks on one machine share its
+rate, so pass ``bandwidth = rate / W``. Fitted to 2 gloo ranks on 2 CPU cores (a 14.4M-parameter
+transformer over a tc-shaped loopback, ``benchmarks/RESULTS.md``): ``overlap`` about 0.6 (the
+ranks' collective threads share the two cores with backward) and ``host_bandwidth`` the unshaped
+loopback's 8.1 Gbit/s per rank. The recommendation is the row with the smallest step (ties to
+the less aggressive compressor); without compute and compression figures that is the row with
+the least communication.
 
 Everything here except :func:`measure_compress_costs` is a pure function of its arguments (no
 torch, no process group), so the figures can be checked by hand.
@@ -63,6 +77,7 @@ __all__ = [
     "comm_time",
     "crossover_density",
     "num_buckets",
+    "last_bucket_share",
     "parse_bandwidth",
     "parse_count",
     "parse_latency",
@@ -147,6 +162,23 @@ def num_buckets(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
         return 0
     per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
     return math.ceil(n / per_bucket)
+
+
+def last_bucket_share(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> float:
+    """The share of ``n`` elements in the bucket sent last: what the full buckets leave.
+
+    Buckets fill in reverse parameter order, so the last one holds the first parameters and
+    the remainder; it is launched when backward ends, so its communication cannot hide.
+
+    Example:
+        >>> last_bucket_share(14417920)  # 2 full buckets of 6553600, then 1310720
+        0.0909090909090909
+    """
+    buckets = num_buckets(n, bucket_cap_mb)
+    if buckets <= 1:
+        return 1.0
+    per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
+    return (n - (buckets - 1) * per_bucket) / n
 
 
 def crossover_density(
@@ -329,10 +361,14 @@ class PlanRow:
         above_crossover: a sparse row whose payload is at least the dense all-reduce's in
             bytes (density >= 1/W for 8-byte pairs); sparsecomm sends those buckets dense.
         compress_s: compression and aggregation, ``n`` times the row's cost per element.
+        host_s: processor time the transport itself takes from compute,
+            ``bytes_per_rank / host_bandwidth`` (0 without ``host_bandwidth``).
         exposed_s: the communication not hidden behind backward,
-            ``max(0, time_s - overlap * backward_seconds)``.
-        step_s: ``compute_seconds + compress_s + exposed_s``; equals ``time_s`` when no
-            compute, compression or overlap figures were given.
+            ``max(tail_s, time_s - overlap * backward_seconds)``, where ``tail_s`` is the last
+            bucket's share of ``time_s`` (that bucket is sent when backward ends); ``time_s``
+            when nothing hides.
+        step_s: ``compute_seconds + compress_s + host_s + exposed_s``; equals ``time_s`` when
+            no compute, compression, host or overlap figures were given.
     """
 
     name: str
@@ -346,6 +382,7 @@ class PlanRow:
     compress_s: float = 0.0
     exposed_s: float = 0.0
     step_s: float = 0.0
+    host_s: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -422,6 +459,7 @@ def plan(
     compute_seconds: float = 0.0,
     backward_seconds: float = 0.0,
     overlap: float = 1.0,
+    host_bandwidth: float | None = None,
 ) -> list[PlanRow]:
     """Cost of each compressor for one step of ``params`` gradient elements on ``world_size`` ranks.
 
@@ -443,9 +481,16 @@ def plan(
             :func:`measure_compress_costs`.
         compute_seconds: forward + backward + optimizer step without any exchange.
         backward_seconds: the part of ``compute_seconds`` the communication can hide behind.
-        overlap: the fraction of ``backward_seconds`` that hides communication (1: all of it,
-            as DistributedDataParallel's bucketed all-reduce; 0: none, as
-            ``CompressedOptimizer``, which exchanges after backward).
+        overlap: the fraction of ``backward_seconds`` that hides communication (1: all of it;
+            0: none, an exchange after backward, as ``CompressedOptimizer(overlap=False)``).
+            Buckets sent during backward (``CompressedOptimizer``'s default, and DDP) hide
+            up to ``overlap * backward_seconds`` of it, never the last bucket's share, which
+            is sent when backward ends. Measured on 2 gloo ranks on 2 CPU cores: about 0.6
+            with ``host_bandwidth`` (benchmarks/RESULTS.md).
+        host_bandwidth: bytes/s at which the processor that computes also moves the bytes
+            (gloo over TCP on CPU: the per-rank rate of an unshaped loopback); each byte then
+            costs ``1 / host_bandwidth`` seconds that no overlap hides. ``None`` (default):
+            the transport takes no compute time (a GPU's NCCL, RDMA).
 
     Returns:
         Rows in the order Dense fp32, Cast fp16, Cast bf16, then TopK and Threshold per density.
@@ -479,6 +524,11 @@ def plan(
             f"backward_seconds ({backward_seconds:g}) must be <= compute_seconds "
             f"({compute_seconds:g}): backward is part of the step's compute; pass both "
             "(--compute-seconds and --backward-seconds)"
+        )
+    if host_bandwidth is not None and not host_bandwidth > 0:
+        raise ValueError(
+            f"host_bandwidth must be > 0 bytes/s or None, got {host_bandwidth!r}; pass e.g. "
+            "parse_bandwidth('8Gbit'), the unshaped loopback's per-rank rate"
         )
     if compress_ns_per_element is not None and not isinstance(compress_ns_per_element, Mapping):
         _check_nonnegative("compress_ns_per_element", compress_ns_per_element)
@@ -544,13 +594,16 @@ def plan(
         )
     dense_time = raw[0][5]
     hidden = overlap * backward_seconds
+    last_share = last_bucket_share(params, bucket_cap_mb)
     rows = []
     for name, compressor, density, nbytes, terms, time_s, above in raw:
         cost = _cost_for(name, _kind(compressor), compress_ns_per_element) or 0.0
         if not cost >= 0:
             raise ValueError(f"compress ns per element of {name} must be >= 0, got {cost!r}")
         compress_s = cost * 1e-9 * params
-        exposed_s = max(0.0, time_s - hidden)
+        host_s = nbytes / host_bandwidth if host_bandwidth else 0.0
+        tail_s = comm_time(nbytes * last_share, bandwidth, latency, terms / max(1, buckets))
+        exposed_s = max(min(tail_s, time_s), time_s - hidden)
         rows.append(
             PlanRow(
                 name=name,
@@ -563,7 +616,8 @@ def plan(
                 above_crossover=above,
                 compress_s=compress_s,
                 exposed_s=exposed_s,
-                step_s=compute_seconds + compress_s + exposed_s,
+                step_s=compute_seconds + compress_s + host_s + exposed_s,
+                host_s=host_s,
             )
         )
     return rows
@@ -666,7 +720,8 @@ def format_plan(
     """The planner's report as text: the table, the crossover and the recommendation.
 
     ``step_model``: :func:`plan`'s keyword arguments (``threshold_densities``,
-    ``compress_ns_per_element``, ``compute_seconds``, ``backward_seconds``, ``overlap``)."""
+    ``compress_ns_per_element``, ``compute_seconds``, ``backward_seconds``, ``overlap``,
+    ``host_bandwidth``)."""
     rows = plan(
         params, world_size, bandwidth, latency, densities, bucket_cap_mb, pair_bytes, **step_model
     )
@@ -687,8 +742,11 @@ def format_plan(
             if backward and overlap
             else ""
         )
+        host = step_model.get("host_bandwidth")
+        transport = f" + bytes / host {host * 8 / 1e9:.4g} Gbit/s" if host else ""
         lines.append(
-            f"step = compute {_ms(compute)} + compress/aggregate + communication{hidden}"
+            f"step = compute {_ms(compute)} + compress/aggregate{transport} + "
+            f"communication{hidden} (the last bucket's never hides)"
         )
     lines += [
         "",
@@ -899,8 +957,16 @@ def _parser() -> argparse.ArgumentParser:
         "--overlap",
         type=float,
         default=1.0,
-        help="fraction of --backward-seconds that hides communication (default 1, as DDP; "
-        "CompressedOptimizer exchanges after backward: 0)",
+        help="fraction of --backward-seconds that hides communication (default 1: a NIC or "
+        "GPU moves the bytes; about 0.6 measured for gloo on 2 CPU cores; 0 for "
+        "CompressedOptimizer(overlap=False)); the last bucket never hides",
+    )
+    parser.add_argument(
+        "--host-bandwidth",
+        default=None,
+        help="per-rank rate at which the computing processor itself moves the bytes (gloo "
+        "over TCP on CPU: the unshaped loopback's rate, e.g. 8Gbit); each byte then costs "
+        "1/host-bandwidth seconds that never hide (default: none)",
     )
     parser.add_argument(
         "--compress-ns-per-element",
@@ -965,6 +1031,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             compute_seconds=_seconds(args.compute_seconds, "--compute-seconds"),
             backward_seconds=_seconds(args.backward_seconds, "--backward-seconds"),
             overlap=args.overlap,
+            host_bandwidth=None
+            if args.host_bandwidth is None
+            else parse_bandwidth(args.host_bandwidth),
         )
         # Validate everything before a measurement that can take a while.
         names = [
