@@ -4,7 +4,7 @@ For each variant it builds the row as ``bench_step.py`` does (same model, optimi
 runs ``--warmup`` steps, then profiles ``--steps`` steps and prints, per step: wall time, the
 time kernels kept the GPU busy (the union of kernel intervals, so wall - busy is the time the
 GPU waited for the host), the number of host-device synchronisations, and the operators with
-the most device time and the most host time.
+the most device time and the most host time; with ``--cprofile``, Python's hot spots.
 
     torchrun --standalone --nproc_per_node=1 benchmarks/profile_step.py --model gpt \\
         --variants "none,DDP,Dense(),TopK(0.01)" --out /tmp/profile.txt
@@ -13,7 +13,10 @@ the most device time and the most host time.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -76,6 +79,24 @@ def profile_row(name: str, workload, args, device) -> str:
         "```",
         "",
     ]
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            built.step()
+        torch.cuda.synchronize(device)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+        stats.print_stats(args.rows)
+        lines += [
+            "Python (cProfile, all steps, by own time):",
+            "",
+            "```",
+            text.getvalue(),
+            "```",
+            "",
+        ]
     del built
     torch.cuda.empty_cache()
     return "\n".join(lines)
@@ -90,6 +111,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=18, help="operators per table")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="also run the steps under cProfile and list Python's hot spots",
+    )
     for flag, default in (("--layers", 12), ("--d-model", 768), ("--heads", 12),
                           ("--vocab", 50257), ("--context", 512), ("--batch", None)):  # fmt: skip
         parser.add_argument(flag, type=int, default=default)

@@ -7,6 +7,7 @@ Not part of the sparsecomm API: the examples import it from their own directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -65,7 +66,15 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
     add("--weight-decay", type=float, default=0.0)
     add("--steps", type=int, default=300, help="optimizer steps in total")
-    add("--batch-size", type=int, default=32, help="examples per rank per step")
+    add("--batch-size", type=int, default=32, help="examples per rank per micro-batch")
+    add(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step: the first N-1 backward passes run inside "
+        "opt.no_sync() (gradients add up locally), the last one sends",
+    )
     add("--seed", type=int, default=0, help="model init, data split and data order")
     add("--eval-every", type=int, default=25, help="evaluate every N steps (and at the end)")
     add("--bucket-cap-mb", type=float, default=25.0)
@@ -105,6 +114,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.accumulate < 1:
+        parser.error(f"--accumulate must be >= 1, got {args.accumulate}")
     if args.eval_every < 1 or args.checkpoint_every < 1:
         parser.error("--eval-every and --checkpoint-every must be >= 1")
     if args.resume and not args.checkpoint:
@@ -355,6 +366,25 @@ def progress_bar(total: int, initial: int, desc: str, show: bool):
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
 
+def accumulate_gradients(
+    optimizer: sparsecomm.CompressedOptimizer,
+    loss_at: Callable[[int], torch.Tensor],
+    step: int,
+    micro_batches: int,
+) -> float:
+    """Backward over ``micro_batches`` micro-batches of ``step``, each loss divided by their
+    number, all but the last inside ``optimizer.no_sync()``: the gradients add up locally,
+    and only the last backward sends them. Returns the mean loss."""
+    total = 0.0
+    for micro in range(micro_batches):
+        last = micro == micro_batches - 1
+        with contextlib.nullcontext() if last else optimizer.no_sync():
+            loss = loss_at(step * micro_batches + micro) / micro_batches
+            loss.backward()
+        total += loss.item()
+    return total
+
+
 def train(
     args: argparse.Namespace,
     model: torch.nn.Module,
@@ -365,8 +395,9 @@ def train(
 ) -> dict[str, float]:
     """Train ``args.steps`` steps with the compressed optimizer; return the last evaluation.
 
-    ``loss_at(step)`` computes this rank's loss for 0-based ``step`` (its data must depend only
-    on the step); ``evaluate()`` runs on rank 0 only and returns metrics.
+    ``loss_at(i)`` computes this rank's loss on its ``i``-th micro-batch, 0-based (its data
+    must depend only on ``i``); step ``s`` takes micro-batches ``s * N`` to ``s * N + N - 1``
+    for ``N = args.accumulate``. ``evaluate()`` runs on rank 0 only and returns metrics.
     """
     optimizer = make_optimizer(args, model)
     start = 0
@@ -403,12 +434,10 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(args, step)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_at(step)
-        loss.backward()
+        loss_value = accumulate_gradients(optimizer, loss_at, step, args.accumulate)
         optimizer.step()
         done = step + 1
         stats, total = optimizer.last_stats, optimizer.total_stats
-        loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {done}; lower --lr")
         log.write(
