@@ -107,7 +107,11 @@ class Communicator:
             return tensor.unsqueeze(0), None
         out = tensor.new_empty((self.world_size * tensor.numel(),))
         work = self._run(
-            _all_gather_single, out, out, tensor.contiguous().view(-1), group=self.group,
+            _all_gather_single,
+            out,
+            out,
+            tensor.contiguous().view(-1),
+            group=self.group,
             async_op=True,
         )
         return out.view(self.world_size, *tensor.shape), work

@@ -24,13 +24,15 @@ the residual: the two swap roles every step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from ._comm import Communicator
-from .compressors import Compressor, Dense, Exchange
+from .compressors import Compressor, Dense, Exchange, Message
 from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
 
 _DENSE = Dense()
@@ -155,6 +157,62 @@ def cap_numel(bucket_cap_mb: float, element_bytes: int) -> int:
     return max(1, int(bucket_cap_mb * 2**20) // element_bytes)
 
 
+class CompressGraphs:
+    """CUDA graphs of the per-bucket compression: the kernels of one ``compress`` (and the
+    message's peak) replayed as one graph launch instead of a dozen kernel launches from
+    Python.
+
+    A bucket's compression is run eagerly the first time its key (the buffers it reads and
+    writes, which swap every step, and the compressor's :meth:`graph_signature`) is seen,
+    so that Triton compiles; captured the second time; replayed from then on. A key seen
+    once (a schedule changing ``k`` every step) is never captured. All graphs share one
+    memory pool; they replay one after the other on one stream, so their scratch can
+    overlap, and what they output stays allocated with them (their messages are kept)."""
+
+    def __init__(self):
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Message]] = {}
+        self.seen: set[tuple] = set()
+        self.pool = None
+        self.failed = False
+        #: Compressions replayed from a graph (a counter for tests and benchmarks).
+        self.replays = 0
+
+    def compress(
+        self, compressor: Compressor, grad: torch.Tensor, residual: torch.Tensor | None,
+        world_size: int, signature: tuple,
+    ) -> Message:  # fmt: skip
+        key = (grad.data_ptr(), None if residual is None else residual.data_ptr(), signature)
+        entry = self.graphs.get(key)
+        if entry is not None:
+            graph, captured = entry
+            graph.replay()
+            self.replays += 1
+            return dataclasses.replace(captured)  # the same tensors, fresh bookkeeping
+        if self.failed or key not in self.seen:
+            self.seen.add(key)
+            return compressor.compress(grad, residual, world_size)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                message = compressor.compress(grad, residual, world_size)
+                message.known_peak = message.peak(world_size)
+        except RuntimeError as error:  # nothing ran: compress eagerly, from now on
+            self.failed = True
+            warnings.warn(
+                f"sparsecomm: capturing {compressor!r} in a CUDA graph failed ({error}); "
+                "compressing without graphs from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return compressor.compress(grad, residual, world_size)
+        self.graphs[key] = (graph, message)
+        graph.replay()  # capturing ran nothing
+        self.replays += 1
+        return dataclasses.replace(message)
+
+
 class BucketEngine:
     """Fills, launches and finishes the buckets of one set of parameters.
 
@@ -162,12 +220,19 @@ class BucketEngine:
         buckets: from :func:`build_buckets`.
         compressor: what the compressed buckets send; small-parameter buckets send dense.
         comm: the process group's collectives.
+        cuda_graphs: replay the compression of CUDA buckets from CUDA graphs where the
+            compressor allows it (:class:`CompressGraphs`).
     """
 
-    def __init__(self, buckets: list[Bucket], compressor: Compressor, comm: Communicator):
+    def __init__(
+        self, buckets: list[Bucket], compressor: Compressor, comm: Communicator,
+        cuda_graphs: bool = True,
+    ):  # fmt: skip
         self.buckets = buckets
         self.compressor = compressor
         self.comm = comm
+        #: CUDA graphs of the compression (None: never; see :class:`CompressGraphs`).
+        self.graphs = CompressGraphs() if cuda_graphs else None
         self.member_of: dict[int, tuple[Bucket, int]] = {}
         for bucket in buckets:
             for member, param in enumerate(bucket.params):
@@ -254,11 +319,20 @@ class BucketEngine:
         compressor = self.compressor_of(bucket)
         started = self.comm.clock(bucket.device)
         if bucket.residual is None:
-            message = compressor.compress(bucket.grad_buffer, None, self.comm.world_size)
+            source, target = bucket.grad_buffer, None
         else:
             # Reversed on purpose (see the module docstring): the new residual goes into
             # grad_buffer, the old one stays as it was.
-            message = compressor.compress(bucket.residual, bucket.grad_buffer, self.comm.world_size)
+            source, target = bucket.residual, bucket.grad_buffer
+        signature = None
+        if self.graphs is not None and bucket.device.type == "cuda":
+            signature = compressor.graph_signature(bucket.numel)
+        if signature is None:
+            message = compressor.compress(source, target, self.comm.world_size)
+        else:
+            message = self.graphs.compress(
+                compressor, source, target, self.comm.world_size, signature
+            )
         self.compress_seconds += self.comm.clock(bucket.device) - started
         bucket.exchange = compressor.start(message, self.comm)
         self.next_launch += 1

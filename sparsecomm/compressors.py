@@ -51,6 +51,8 @@ class Message:
     scale: float = 1.0
     #: Bytes this rank put into the collectives for this message, set by ``exchange``.
     wire_bytes: int = 0
+    #: :meth:`peak`, when it was computed with the message (inside a CUDA graph).
+    known_peak: torch.Tensor | None = None
 
     def decode(self) -> torch.Tensor:
         """The float32 gradient this message stands for (what this rank sent)."""
@@ -76,6 +78,8 @@ class Message:
         (TopK and Threshold select NaN and Inf first; Cast and Dense send everything), so
         this check of what is sent covers what is kept too. If the peaks of all ranks add
         up to more than 1, the sum over the ranks could overflow."""
+        if self.known_peak is not None:
+            return self.known_peak
         values = self.values if self.indices is None else self.values[: self.known_count()]
         if values.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=values.device)
@@ -158,6 +162,12 @@ class Compressor:
     def config(self) -> dict:
         """Plain-value description, compared across ranks and stored in checkpoints."""
         return {"name": type(self).__name__}
+
+    def graph_signature(self, numel: int) -> tuple | None:
+        """What fixes the shapes and kernels of ``compress`` on a bucket of ``numel``
+        elements, when it can be captured in a CUDA graph (no host synchronisation, no
+        size that depends on the data); None when it cannot."""
+        return None
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.config().items() if k != "name")
@@ -428,6 +438,9 @@ class TopK(_Sparse):
             return 0
         exact = Fraction(repr(self.density)) * numel
         return max(1, min(numel, math.ceil(exact)))
+
+    def graph_signature(self, numel):
+        return ("TopK", self.k_for(numel))
 
     def compress(self, grad, residual, world_size):
         numel = grad.numel()

@@ -82,8 +82,10 @@ class DDPCommHookState:
             )
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
-        if isinstance(dense_iterations, bool) or not isinstance(dense_iterations, int) or (
-            dense_iterations < 0
+        if (
+            isinstance(dense_iterations, bool)
+            or not isinstance(dense_iterations, int)
+            or (dense_iterations < 0)
         ):
             raise ValueError(
                 f"dense_iterations must be an int >= 0, got {dense_iterations!r}; 0 "

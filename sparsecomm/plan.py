@@ -666,8 +666,7 @@ def recommend(rows: Sequence[PlanRow], world_size: int) -> str:
         others = [r for r in candidates if r.kind != "dense"]
         runner = min(others, key=lambda r: (r.step_s, _aggressiveness(r)), default=None)
         tail = (
-            f": the fastest compressor, {_constructor(runner)}, takes "
-            f"{_ms(runner.step_s)}"
+            f": the fastest compressor, {_constructor(runner)}, takes {_ms(runner.step_s)}"
             if runner
             else ""
         )

@@ -161,3 +161,51 @@ def test_cuda_ddp_hook_runs_on_nccl(tmp_path):
             assert all(r.is_cuda for r in state.residuals.values()), compressor
     finally:
         dist.destroy_process_group()
+
+
+def _train_topk_cuda(cuda_graphs: bool, steps: int = 8, nan_at: int | None = None):
+    model = _workers.make_model(seed=0).cuda()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        sparsecomm.TopK(0.05),
+        bucket_cap_mb=0.01,
+        min_compress_numel=0,
+        cuda_graphs=cuda_graphs,
+    )
+    refused = []
+    for step in range(steps):
+        x, y = (t.cuda() for t in _workers.batch(0, step))
+        handle = None
+        if step == nan_at:
+            handle = model[0].weight.register_hook(lambda g: g * float("nan"))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if handle is not None:
+            handle.remove()
+        before = opt.residual(model[0].weight)
+        try:
+            opt.step()
+        except sparsecomm.NonFiniteGradientError:
+            refused.append(step)
+            assert torch.equal(before, opt.residual(model[0].weight)), "residual changed"
+        opt.zero_grad()
+    return _workers.flat_params(model).cpu(), opt, refused
+
+
+def test_cuda_graphs_replay_the_bits_of_eager_compression():
+    eager, _, _ = _train_topk_cuda(cuda_graphs=False)
+    graphed, opt, _ = _train_topk_cuda(cuda_graphs=True)
+    assert len(opt._engine.buckets) > 1
+    # Step 1 exchanges in step(); from step 2 on buckets go during backward, their
+    # buffers swapping: each (bucket, buffer) key runs eagerly, then is captured, then
+    # replayed.
+    assert opt._engine.graphs.replays >= len(opt._engine.buckets) * 4
+    assert not opt._engine.graphs.failed
+    assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))
+
+
+def test_cuda_graphs_refuse_a_nan_step_like_eager_compression():
+    eager, _, refused_eager = _train_topk_cuda(cuda_graphs=False, nan_at=5)
+    graphed, opt, refused_graphed = _train_topk_cuda(cuda_graphs=True, nan_at=5)
+    assert refused_eager == refused_graphed == [5]
+    assert opt._engine.graphs.replays > 0
+    assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))
