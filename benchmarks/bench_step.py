@@ -171,9 +171,7 @@ def linear_workload(params: float, args, device) -> Workload:
 
 def gpt_workload(args, device) -> Workload:
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    tokens = torch.randint(
-        args.vocab, (args.batch, args.context + 1), device=device, generator=gen
-    )
+    tokens = torch.randint(args.vocab, (args.batch, args.context + 1), device=device, generator=gen)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def make_model():
@@ -455,7 +453,9 @@ def run_table(workload: Workload, names: list[str], args, device, started: float
                 stopped = True
                 break
             ok = guarded(
-                result, "timing", lambda r=result: time_row(r, workload, args, device, repeat == 0)
+                result,
+                "timing",
+                lambda r=result, first=repeat == 0: time_row(r, workload, args, device, first),
             )
             if rank == 0 and ok:
                 print(
@@ -532,6 +532,15 @@ def format_table(workload: Workload, results: list[Result], args, device) -> str
     return "\n".join(header + lines + notes)
 
 
+def paired(r: Result, b: Result) -> str:
+    """The ratio repeat by repeat (the two rows of one repeat run minutes apart at most, so
+    a machine that drifts between repeats cancels out): its median and range."""
+    pairs = sorted(x / y for x, y in zip(r.medians, b.medians))
+    if len(pairs) < 2:
+        return ""
+    return f"; repeat by repeat {statistics.median(pairs):.3f}x [{pairs[0]:.3f}-{pairs[-1]:.3f}]"
+
+
 def target_lines(workload: Workload, by_name: dict) -> list[str]:
     lines = ["", "Targets (issue 11):", ""]
 
@@ -546,7 +555,7 @@ def target_lines(workload: Workload, by_name: dict) -> list[str]:
         value = r.median / b.median
         lines.append(
             f"- {text}: {r.median * 1e3:.2f} / {b.median * 1e3:.2f} ms = {value:.3f}x, "
-            f"{verdict(value, limit)}"
+            f"{verdict(value, limit)}{paired(r, b)}"
         )
     ddp = by_name.get("DDP")
     for r in by_name.values():
@@ -565,12 +574,18 @@ def target_lines(workload: Workload, by_name: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
     parser.add_argument("--model", choices=("linear", "gpt"), default="linear")
-    parser.add_argument("--params", type=float, action="append", default=None,
-                        help="linear: parameters (repeatable; default 1e8)")
+    parser.add_argument(
+        "--params",
+        type=float,
+        action="append",
+        default=None,
+        help="linear: parameters (repeatable; default 1e8)",
+    )
     parser.add_argument("--layers", type=int, default=12, help="gpt")
     parser.add_argument("--d-model", type=int, default=768, help="gpt")
     parser.add_argument("--heads", type=int, default=12, help="gpt")
@@ -581,13 +596,25 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="linear 5, gpt 10")
     parser.add_argument("--repeats", type=int, default=2, help="times the set of rows runs")
     parser.add_argument("--variants", default=None)
-    parser.add_argument("--no-launches", dest="launches", action="store_false",
-                        help="skip the profiled step that counts kernels")
-    parser.add_argument("--no-shares", dest="shares", action="store_false",
-                        help="skip the profile=True steps of the sparsecomm rows")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="after this many seconds start no further row of a repeat after "
-                        f"the first (nor a kernel count after {LAUNCH_EXTRA_S:.0f} s more)")
+    parser.add_argument(
+        "--no-launches",
+        dest="launches",
+        action="store_false",
+        help="skip the profiled step that counts kernels",
+    )
+    parser.add_argument(
+        "--no-shares",
+        dest="shares",
+        action="store_false",
+        help="skip the profile=True steps of the sparsecomm rows",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="after this many seconds start no further row of a repeat after "
+        f"the first (nor a kernel count after {LAUNCH_EXTRA_S:.0f} s more)",
+    )
     parser.add_argument("--label", default="", help="network path, for the table")
     parser.add_argument("--out", default=None, help="append the table here (rank 0)")
     args = parser.parse_args()  # fmt: skip

@@ -17,6 +17,7 @@ behind both front doors (:class:`sparsecomm.CompressedOptimizer` and
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -274,12 +275,7 @@ class Cast(Compressor):
         """The clamp, after the prescale: the largest value of the half type that
         ``world_size`` ranks can each send without their sum overflowing (at least
         ``max / world_size``, so at least the type's range before the prescale)."""
-        if world_size == 1:  # nothing is summed
-            return torch.finfo(self.dtype).max
-        bound = sum_limit(self.dtype, world_size) / world_size
-        mantissa, exponent = math.frexp(bound)  # bound = mantissa * 2**exponent
-        bits = -int(math.log2(torch.finfo(self.dtype).eps)) + 1  # significand bits
-        return math.floor(mantissa * 2**bits) * 2.0 ** (exponent - bits)
+        return _cast_limit(self.dtype, world_size)
 
     def compress(self, grad, residual, world_size):
         scale = self.prescale(world_size)
@@ -294,7 +290,18 @@ class Cast(Compressor):
         exchange.comm.wait(exchange.work)
         # sum_r half_r / scale / W, as one float factor so every rank rounds alike.
         out.copy_(exchange.result)
-        return out.mul_(1.0 / (exchange.message.scale * exchange.comm.world_size))
+        factor = 1.0 / (exchange.message.scale * exchange.comm.world_size)
+        return out if factor == 1.0 else out.mul_(factor)  # x * 1.0 is x: skip the pass
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_limit(dtype: torch.dtype, world_size: int) -> float:
+    if world_size == 1:  # nothing is summed
+        return torch.finfo(dtype).max
+    bound = sum_limit(dtype, world_size) / world_size
+    mantissa, exponent = math.frexp(bound)  # bound = mantissa * 2**exponent
+    bits = -int(math.log2(torch.finfo(dtype).eps)) + 1  # significand bits
+    return math.floor(mantissa * 2**bits) * 2.0 ** (exponent - bits)
 
 
 def _require_real(value, where: str, example: str) -> None:

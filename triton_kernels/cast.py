@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -94,10 +95,7 @@ def cast_compress(
     half = torch.empty(n, dtype=dtype, device=grad.device)
     if n == 0:
         return half
-    # torch multiplies by Python scalars in float32; both are exact powers of two, and an
-    # inverse beyond float32's range becomes inf there as here.
-    scale32 = torch.tensor(scale, dtype=torch.float32).item()
-    inv_scale32 = torch.tensor(1.0 / scale, dtype=torch.float32).item()
+    scale32, inv_scale32 = _float32_scales(scale)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)  # noqa: E731
     _cast_compress_kernel[grid](
         grad,
@@ -209,6 +207,18 @@ def cast_compress_cpu(
     return half
 
 
+@functools.lru_cache(maxsize=64)
+def _float32_scales(scale: float) -> tuple[float, float]:
+    """``scale`` and ``1 / scale`` as float32 values. torch multiplies by Python scalars in
+    float32; both are exact powers of two, and an inverse beyond float32's range becomes
+    inf there as here. (Cached: converting costs more than the kernel launch.)"""
+    as32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    return as32(scale), as32(1.0 / scale)
+
+
+# Cached (``typed``: True and 1 are different arguments): it runs on every call of the
+# three cast functions, and its answer depends on its arguments only.
+@functools.lru_cache(maxsize=256, typed=True)
 def check_cast_args(dtype: torch.dtype, scale: float, limit: float | None = None) -> float:
     """``DtypeError`` (a ``TypeError`` and a ``ValueError``) unless ``dtype`` is fp16 or
     bf16; ``TypeError`` unless ``scale`` is a real number, ``ValueError`` unless it is a
@@ -227,7 +237,5 @@ def check_cast_args(dtype: torch.dtype, scale: float, limit: float | None = None
     if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
         raise TypeError(f"limit must be a float, got {type(limit).__name__}")
     if not (0 < limit <= largest) or float(torch.tensor(limit).to(dtype)) != limit:
-        raise ValueError(
-            f"limit must be a positive {dtype} value at most {largest}, got {limit}"
-        )
+        raise ValueError(f"limit must be a positive {dtype} value at most {largest}, got {limit}")
     return float(limit)
