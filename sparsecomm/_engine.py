@@ -167,36 +167,50 @@ class CompressGraphs:
     so that Triton compiles; captured the second time; replayed from then on. A key seen
     once (a schedule changing ``k`` every step) is never captured. All graphs share one
     memory pool; they replay one after the other on one stream, so their scratch can
-    overlap, and what they output stays allocated with them (their messages are kept)."""
+    overlap, and what they output stays allocated with them (their messages are kept). A
+    message as large as the bucket (``Cast``'s) goes into one wire buffer per bucket
+    (:meth:`~sparsecomm.compressors.Compressor.wire_buffer`), shared by the graphs of both
+    buffer pairings, so that graphs cost no more memory than eager compression."""
 
     def __init__(self):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Message]] = {}
         self.seen: set[tuple] = set()
         self.pool = None
+        self.wire_buffers: dict[int, torch.Tensor | None] = {}
         self.failed = False
         #: Compressions replayed from a graph (a counter for tests and benchmarks).
         self.replays = 0
 
     def compress(
         self, compressor: Compressor, grad: torch.Tensor, residual: torch.Tensor | None,
-        world_size: int, signature: tuple,
+        world_size: int, signature: tuple, owner: int,
     ) -> Message:  # fmt: skip
+        """``compressor.compress(grad, residual, world_size)``, from a graph when one is
+        captured. ``owner``: the bucket's index (whose wire buffer the graphs share)."""
         key = (grad.data_ptr(), None if residual is None else residual.data_ptr(), signature)
         entry = self.graphs.get(key)
-        if entry is not None:
-            graph, captured = entry
-            graph.replay()
-            self.replays += 1
-            return dataclasses.replace(captured)  # the same tensors, fresh bookkeeping
-        if self.failed or key not in self.seen:
+        if entry is None and not self.failed and key in self.seen:  # about to capture
+            return self._capture(compressor, grad, residual, world_size, key, owner)
+        if entry is None:
             self.seen.add(key)
             return compressor.compress(grad, residual, world_size)
+        graph, captured = entry
+        graph.replay()
+        self.replays += 1
+        return dataclasses.replace(captured)  # the same tensors, fresh bookkeeping
+
+    def _capture(self, compressor, grad, residual, world_size, key, owner) -> Message:
+        kwargs = {}
+        if owner not in self.wire_buffers:
+            self.wire_buffers[owner] = compressor.wire_buffer(grad.numel(), grad.device)
+        if self.wire_buffers[owner] is not None:  # one for both buffer pairings
+            kwargs["out"] = self.wire_buffers[owner]
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                message = compressor.compress(grad, residual, world_size)
+                message = compressor.compress(grad, residual, world_size, **kwargs)
                 message.known_peak = message.peak(world_size)
         except RuntimeError as error:  # nothing ran: compress eagerly, from now on
             self.failed = True
@@ -204,7 +218,7 @@ class CompressGraphs:
                 f"sparsecomm: capturing {compressor!r} in a CUDA graph failed ({error}); "
                 "compressing without graphs from now on",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return compressor.compress(grad, residual, world_size)
         self.graphs[key] = (graph, message)
@@ -331,7 +345,7 @@ class BucketEngine:
             message = compressor.compress(source, target, self.comm.world_size)
         else:
             message = self.graphs.compress(
-                compressor, source, target, self.comm.world_size, signature
+                compressor, source, target, self.comm.world_size, signature, self.next_launch
             )
         self.compress_seconds += self.comm.clock(bucket.device) - started
         bucket.exchange = compressor.start(message, self.comm)

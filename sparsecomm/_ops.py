@@ -60,9 +60,9 @@ def topk_compress(grad, residual, k):
     return impl(grad, residual, k)
 
 
-def cast_compress(grad, residual, dtype, scale, limit=None):
+def cast_compress(grad, residual, dtype, scale, limit=None, out=None):
     impl = _pick(grad, _cast.cast_compress, _cast.cast_compress_cpu, _cast.cast_compress_ref)
-    return impl(grad, residual, dtype, scale, limit)
+    return impl(grad, residual, dtype, scale, limit, out)
 
 
 def scatter_add(indices, values, counts, numel, scale, out=None):

@@ -170,6 +170,12 @@ class Compressor:
         size that depends on the data); None when it cannot."""
         return None
 
+    def wire_buffer(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """A buffer that ``compress(..., out=buffer)`` writes the bucket's message into,
+        for compressors whose message is as large as the bucket (so that the CUDA graphs of
+        a bucket's two buffer pairings share one); None for the others."""
+        return None
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.config().items() if k != "name")
         return f"{type(self).__name__}({args})"
@@ -277,10 +283,16 @@ class Cast(Compressor):
         ``max / world_size``, so at least the type's range before the prescale)."""
         return _cast_limit(self.dtype, world_size)
 
-    def compress(self, grad, residual, world_size):
+    def graph_signature(self, numel):
+        return ("Cast", str(self.dtype))
+
+    def wire_buffer(self, numel, device):
+        return torch.empty(numel, dtype=self.dtype, device=device)
+
+    def compress(self, grad, residual, world_size, out=None):
         scale = self.prescale(world_size)
         limit = self.limit(world_size)
-        half = _ops.cast_compress(grad, residual, self.dtype, scale, limit)
+        half = _ops.cast_compress(grad, residual, self.dtype, scale, limit, out)
         return Message(numel=grad.numel(), values=half, scale=scale)
 
     def start(self, message, comm, check=True):

@@ -104,7 +104,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             (synchronizes the device and runs each collective to completion, so it hides
             no communication behind backward; off by default).
         cuda_graphs: on CUDA, replay each bucket's compression from a CUDA graph once it
-            has run twice (default True; ``TopK`` so far): one launch instead of a dozen
+            has run twice (default True; ``TopK`` and ``Cast``): one launch instead of a dozen
             from Python. Capturing synchronizes the device once per bucket and buffer.
 
     Example:

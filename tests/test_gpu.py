@@ -163,11 +163,14 @@ def test_cuda_ddp_hook_runs_on_nccl(tmp_path):
         dist.destroy_process_group()
 
 
-def _train_topk_cuda(cuda_graphs: bool, steps: int = 8, nan_at: int | None = None):
+GRAPHED = [sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16), sparsecomm.Cast()]
+
+
+def _train_graphed_cuda(compressor, cuda_graphs: bool, steps: int = 8, nan_at=None):
     model = _workers.make_model(seed=0).cuda()
     opt = sparsecomm.CompressedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-3),
-        sparsecomm.TopK(0.05),
+        compressor,
         bucket_cap_mb=0.01,
         min_compress_numel=0,
         cuda_graphs=cuda_graphs,
@@ -191,9 +194,10 @@ def _train_topk_cuda(cuda_graphs: bool, steps: int = 8, nan_at: int | None = Non
     return _workers.flat_params(model).cpu(), opt, refused
 
 
-def test_cuda_graphs_replay_the_bits_of_eager_compression():
-    eager, _, _ = _train_topk_cuda(cuda_graphs=False)
-    graphed, opt, _ = _train_topk_cuda(cuda_graphs=True)
+@pytest.mark.parametrize("compressor", GRAPHED, ids=repr)
+def test_cuda_graphs_replay_the_bits_of_eager_compression(compressor):
+    eager, _, _ = _train_graphed_cuda(compressor, cuda_graphs=False)
+    graphed, opt, _ = _train_graphed_cuda(compressor, cuda_graphs=True)
     assert len(opt._engine.buckets) > 1
     # Step 1 exchanges in step(); from step 2 on buckets go during backward, their
     # buffers swapping: each (bucket, buffer) key runs eagerly, then is captured, then
@@ -203,9 +207,10 @@ def test_cuda_graphs_replay_the_bits_of_eager_compression():
     assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))
 
 
-def test_cuda_graphs_refuse_a_nan_step_like_eager_compression():
-    eager, _, refused_eager = _train_topk_cuda(cuda_graphs=False, nan_at=5)
-    graphed, opt, refused_graphed = _train_topk_cuda(cuda_graphs=True, nan_at=5)
+@pytest.mark.parametrize("compressor", GRAPHED, ids=repr)
+def test_cuda_graphs_refuse_a_nan_step_like_eager_compression(compressor):
+    eager, _, refused_eager = _train_graphed_cuda(compressor, cuda_graphs=False, nan_at=5)
+    graphed, opt, refused_graphed = _train_graphed_cuda(compressor, cuda_graphs=True, nan_at=5)
     assert refused_eager == refused_graphed == [5]
     assert opt._engine.graphs.replays > 0
     assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))

@@ -266,3 +266,17 @@ def test_clamp_limit_matches_reference_and_keeps_the_excess(dtype, world_size):
     for _ in range(world_size):
         total = total + torch.tensor(limit, dtype=dtype)
     assert torch.isfinite(total)
+
+
+@pytest.mark.parametrize("impl", [cast_compress, cast_compress_cpu, cast_compress_ref])
+def test_out_is_written_and_checked(impl):
+    device = "cpu" if impl is not cast_compress else DEVICE
+    grad = torch.linspace(-3, 3, 1001, device=device)
+    expected = cast_compress_ref(grad.cpu(), None, torch.float16, 0.5)
+    out = torch.full((1001,), 7.0, dtype=torch.float16, device=device)
+    assert impl(grad, None, torch.float16, 0.5, None, out) is out
+    assert_same_bits(out.cpu(), expected, "out")
+    with pytest.raises(ValueError, match="out must be a 1-D torch.float16 tensor of 1001"):
+        impl(grad, None, torch.float16, 0.5, None, out[:-1])
+    with pytest.raises(ValueError, match="out must be"):
+        impl(grad, None, torch.float16, 0.5, None, out.to(torch.bfloat16))

@@ -65,6 +65,7 @@ def cast_compress(
     dtype: torch.dtype,
     scale: float = 1.0,
     limit: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused Triton version of :func:`cast_compress_ref`, the same bits.
 
@@ -79,6 +80,8 @@ def cast_compress(
         scale: a power of two, multiplied into ``acc`` before the cast.
         limit: finite values are clamped to ``[-limit, limit]`` after scaling (default:
             the largest finite value of ``dtype``; must be one of ``dtype``'s values).
+        out: a ``dtype`` tensor of ``grad``'s size and device to write the result into
+            (default: a new one).
 
     Returns:
         The ``dtype`` tensor ``half``.
@@ -92,7 +95,7 @@ def cast_compress(
     check_grad_residual(grad, residual)
     limit = check_cast_args(dtype, scale, limit)
     n = grad.numel()
-    half = torch.empty(n, dtype=dtype, device=grad.device)
+    half = _half_out(out, n, dtype, grad.device)
     if n == 0:
         return half
     scale32, inv_scale32 = _float32_scales(scale)
@@ -122,6 +125,7 @@ def cast_compress_ref(
     dtype: torch.dtype,
     scale: float = 1.0,
     limit: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cast ``acc = grad + residual``, multiplied by ``scale``, to ``dtype``.
 
@@ -143,6 +147,8 @@ def cast_compress_ref(
             the caller passes ``1 / 2**ceil(log2(world_size))``.
         limit: a positive value of ``dtype`` at most its largest finite value (the
             default).
+        out: a ``dtype`` tensor of ``grad``'s size and device to write the result into
+            (default: a new one).
 
     Returns:
         The ``dtype`` tensor ``half``.
@@ -152,6 +158,8 @@ def cast_compress_ref(
     scaled = acc * scale
     infinite = acc.isinf()
     half = torch.where(infinite, scaled, scaled.clamp(-limit, limit)).to(dtype)
+    if out is not None:
+        half = _half_out(out, grad.numel(), dtype, grad.device).copy_(half)
     if residual is not None:
         residual.copy_((acc - half.float() * (1.0 / scale)).masked_fill(infinite, 0.0))
     return half
@@ -163,6 +171,7 @@ def cast_compress_cpu(
     dtype: torch.dtype,
     scale: float = 1.0,
     limit: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fast CPU version of :func:`cast_compress_ref`: the same half tensor and residual, bit
     for bit.
@@ -178,7 +187,7 @@ def cast_compress_cpu(
     _cpu.require_cpu(grad, "cast_compress_cpu")
     limit = check_cast_args(dtype, scale, limit)
     n = grad.numel()
-    half = torch.empty(n, dtype=dtype)
+    half = _half_out(out, n, dtype, grad.device)
     inverse = 1.0 / scale
     scratch = torch.empty(min(n, _cpu.CHUNK), dtype=torch.float32)
     for start, end in _cpu.chunks(n):
@@ -205,6 +214,17 @@ def cast_compress_cpu(
             if infinite is not None:
                 acc.masked_fill_(infinite, 0.0)
     return half
+
+
+def _half_out(out: torch.Tensor | None, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, dtype=dtype, device=device)
+    if out.dtype != dtype or out.shape != (n,) or out.device != device:
+        raise ValueError(
+            f"out must be a 1-D {dtype} tensor of {n} elements on {device}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    return out
 
 
 @functools.lru_cache(maxsize=64)
