@@ -18,7 +18,7 @@ import torch
 from ._comm import Communicator
 from ._engine import BucketEngine, build_buckets, cap_numel
 from ._stats import StepStats
-from .compressors import DENSE_ELEMENT_BYTES, Compressor
+from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
 
@@ -31,6 +31,7 @@ _KEYWORDS = (
     "min_compress_numel",
     "overlap",
     "profile",
+    "momentum_correction",
 )
 
 # GradScaler hands itself to an optimizer whose step() takes `grad_scaler`, with a
@@ -93,6 +94,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         profile: time compression, communication and aggregation in ``last_stats``
             (synchronizes the device and runs each collective to completion, so it hides
             no communication behind backward; off by default).
+        momentum_correction: a momentum factor ``m`` in ``[0, 1)`` to apply before
+            compression, as Deep Gradient Compression (Lin et al. 2018) does for SGD with
+            momentum: each rank keeps a velocity ``u = m * u + grad`` per element, error
+            feedback accumulates ``u`` (not the gradient), and a coordinate sent in a
+            sparse message has its ``u`` zeroed (momentum factor masking). The wrapped
+            optimizer must then be ``torch.optim.SGD`` with ``momentum=0``: the momentum
+            lives here instead. Default ``None``: off.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -124,6 +132,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         min_compress_numel: int = 1024,
         overlap: bool = True,
         profile: bool = False,
+        momentum_correction: float | None = None,
         **unexpected: Any,
     ):
         self._comm = Communicator(process_group)
@@ -132,6 +141,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel,
                 overlap, unexpected,
             )
+            or _check_momentum_correction(optimizer, momentum_correction)
         )  # fmt: skip
         self.optimizer = optimizer
         self.compressor = compressor
@@ -140,6 +150,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.min_compress_numel = int(min_compress_numel)
         self.overlap = bool(overlap)
         self.profile = bool(profile)
+        self.momentum_correction = (
+            None if momentum_correction is None else float(momentum_correction)
+        )
+        self._steps_taken = 0  # steps not skipped: the compressor's schedule reads it
         self._comm.timed = self.profile
         self._ready = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -194,6 +208,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if bucket.residual is None:
             return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         return bucket.view(bucket.residual, member).clone()
+
+    def velocity(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s momentum-correction velocity (a float32 copy shaped like ``param``;
+        zeros without ``momentum_correction``)."""
+        entry = self._engine.member_of.get(id(param))
+        if entry is None:
+            raise ValueError(
+                "velocity(param): this tensor is not a parameter of the wrapped optimizer (or "
+                "does not require grad); pass one of the tensors in opt.param_groups"
+            )
+        bucket, member = entry
+        if bucket.velocity is None:
+            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        return bucket.view(bucket.velocity, member).clone()
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps taken (skipped and refused steps not counted): the step a compressor's
+        schedule is at, e.g. a :class:`TopK` density warm-up."""
+        return self._steps_taken
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -284,9 +318,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         new_params, error = _group_params(param_group, self._params)
         if error is None:
             error = _check_params(new_params, start)
+        if error is None and self.momentum_correction is not None:
+            error = _check_group_momentum(param_group, self.optimizer)
         self._raise_agreed(error)
         self._agree_on_model(new_params, start=start)
         residuals = self._residuals_by_position()
+        velocities = self._velocities_by_position()
         # The list, not the caller's iterator, which reading it has used up.
         self.optimizer.add_param_group({**param_group, "params": new_params})
         self._params = self._all_params()
@@ -294,6 +331,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
         self._load_residuals(residuals)
+        self._load_velocities(velocities)
         self._register_hooks(self._params[start:])
 
     def state_dict(self) -> dict[str, Any]:
@@ -312,6 +350,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "shapes": [list(p.shape) for p in self._params],
                 "residuals": self._residuals_by_position(),
                 "total_stats": self.total_stats.as_dict(),
+                "steps_taken": self._steps_taken,
+                "momentum_correction": self.momentum_correction,
+                "velocities": self._velocities_by_position(),
             },
         }
 
@@ -322,6 +363,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         dtype or with NaN/Inf, raise ``ValueError`` naming what differs, and nothing is
         changed."""
         ours = self._check_state(state_dict)
+        self._check_schedule_state(ours)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
         # torch.optim.Optimizer.load_state_dict builds new group and state containers.
         self.param_groups = self.optimizer.param_groups
@@ -330,6 +372,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
         self.total_stats = StepStats(**{k: v for k, v in saved_stats.items() if k in fields})
+        self._steps_taken = int(ours.get("steps_taken", 0))
+        self._engine.step = self._steps_taken
+        self._load_velocities(ours.get("velocities") or [])
 
     def __repr__(self) -> str:
         return (
@@ -399,6 +444,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             stats.skipped_steps = 1
         self.last_stats = stats
         self.total_stats = self.total_stats + stats
+        if not skipped:
+            self._steps_taken += 1
+            self._engine.step = self._steps_taken
         self._synchronized = False
         self._bad_ranks = []
         self._step_stats = StepStats()
@@ -408,6 +456,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _sent_stats(self) -> StepStats:
         stats = StepStats(steps=1, elements=sum(b.numel for b in self._engine.buckets))
         stats.dense_bytes = DENSE_ELEMENT_BYTES * stats.elements
+        stats.scheduled_density = _scheduled_density(self.compressor, self._steps_taken)
         for bucket in self._engine.buckets:
             exchange = bucket.exchange
             stats.bytes_sent += exchange.message.wire_bytes
@@ -454,8 +503,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             cap_numel=cap_numel(self.bucket_cap_mb, DENSE_ELEMENT_BYTES),
             min_compress_numel=self.min_compress_numel,
             keep_residual=self.error_feedback and self.compressor.keeps_residual,
+            keep_velocity=self.momentum_correction is not None,
         )
-        return BucketEngine(buckets, self.compressor, self._comm)
+        engine = BucketEngine(buckets, self.compressor, self._comm, self.momentum_correction)
+        engine.step = self._steps_taken
+        return engine
 
     def _register_hooks(self, params: list[torch.Tensor]) -> None:
         me = weakref.ref(self)
@@ -491,6 +543,67 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 else:
                     target.copy_(saved.reshape(-1))
 
+    def _velocities_by_position(self) -> list[torch.Tensor | None]:
+        velocities: list[torch.Tensor | None] = [None] * len(self._params)
+        for bucket in self._engine.buckets:
+            if bucket.velocity is None:
+                continue
+            for member, position in enumerate(bucket.positions):
+                velocities[position] = bucket.view(bucket.velocity, member).clone()
+        return velocities
+
+    def _load_velocities(self, velocities: list[torch.Tensor | None]) -> None:
+        for bucket in self._engine.buckets:
+            if bucket.velocity is None:
+                continue
+            for member, position in enumerate(bucket.positions):
+                saved = velocities[position] if position < len(velocities) else None
+                target = bucket.velocity[bucket.span(member)]
+                if saved is None:
+                    target.zero_()
+                else:
+                    target.copy_(saved.reshape(-1))
+
+    def _check_schedule_state(self, ours: dict) -> None:
+        """Validate the step count and momentum-correction velocities of a state dict's
+        sparsecomm section (after ``_check_state``, before anything is loaded)."""
+
+        def refuse(what: str) -> ValueError:
+            return ValueError(f"load_state_dict: {what}")
+
+        steps = ours.get("steps_taken", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise refuse(f"'steps_taken' must be an int >= 0, got {steps!r}")
+        saved = ours.get("momentum_correction")
+        if saved != self.momentum_correction:
+            raise refuse(
+                f"saved with momentum_correction={saved}, this optimizer has "
+                f"momentum_correction={self.momentum_correction}"
+            )
+        velocities = ours.get("velocities") or []
+        if self.momentum_correction is None:
+            if any(v is not None for v in velocities):
+                raise refuse("velocities are saved, but this optimizer keeps none")
+            return
+        if not isinstance(velocities, (list, tuple)) or len(velocities) != len(self._params):
+            count = len(velocities) if isinstance(velocities, (list, tuple)) else velocities
+            raise refuse(
+                f"'velocities' must be a list of {len(self._params)} entries (one per "
+                f"parameter), got {count!r}"
+            )
+        for position, (saved, param) in enumerate(zip(velocities, self._params)):
+            if saved is None:
+                continue
+            if not torch.is_tensor(saved):
+                raise refuse(f"velocity {position} is a {type(saved).__name__}, not a tensor")
+            if saved.dtype != torch.float32 or list(saved.shape) != list(param.shape):
+                raise refuse(
+                    f"velocity {position} is {str(saved.dtype).replace('torch.', '')} "
+                    f"{tuple(saved.shape)}; expected float32 {tuple(param.shape)}"
+                )
+            if not bool(torch.isfinite(saved).all()):
+                raise refuse(f"velocity {position} holds NaN or Inf; the checkpoint is corrupt")
+
     def _raise_agreed(self, error: Exception | None) -> None:
         """Raise ``error`` on every rank if any rank has one (the first such rank's, so
         every rank raises the same). Collective."""
@@ -515,6 +628,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self.bucket_cap_mb,
                 self.min_compress_numel,
                 self.overlap,
+                self.momentum_correction,
             ],
             "params": [
                 [list(p.shape), str(p.dtype), p.requires_grad, p.device.type] for p in params
@@ -527,7 +641,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"ranks disagree on settings: rank 0 has {first['settings']}, rank {rank} "
                     f"has {theirs['settings']} ([compressor, error_feedback, bucket_cap_mb, "
-                    "min_compress_numel, overlap]); construct CompressedOptimizer with the "
+                    "min_compress_numel, overlap, momentum_correction]); construct "
+                    "CompressedOptimizer with the "
                     "same arguments on every rank"
                 )
             if theirs["params"] != first["params"]:
@@ -669,6 +784,50 @@ def _check_params(params: list, start: int) -> Exception | None:
                 "materialize the model first (e.g. model.to_empty(device=...) and initialize "
                 "it) and then wrap its optimizer"
             )
+    return None
+
+
+def _scheduled_density(compressor: Compressor, step: int) -> float:
+    """What ``StepStats.scheduled_density`` reports for ``step``."""
+    current = compressor.at_step(step)
+    if isinstance(current, TopK):
+        return current.density
+    return 0.0 if isinstance(current, Threshold) else 1.0
+
+
+def _check_momentum_correction(optimizer, momentum_correction) -> Exception | None:
+    """The first problem with ``momentum_correction`` and the optimizer it goes with."""
+    if momentum_correction is None:
+        return None
+    if (
+        isinstance(momentum_correction, bool)
+        or not isinstance(momentum_correction, (int, float))
+        or not 0 <= momentum_correction < 1
+    ):
+        return ValueError(
+            f"momentum_correction must be None or a momentum factor in [0, 1), got "
+            f"{momentum_correction!r}; for example momentum_correction=0.9"
+        )
+    if not isinstance(optimizer, torch.optim.SGD):
+        return TypeError(
+            "momentum_correction applies SGD momentum before compression, so the wrapped "
+            f"optimizer must be torch.optim.SGD (with momentum=0), got {type(optimizer).__name__}"
+        )
+    for group in optimizer.param_groups:
+        error = _check_group_momentum(group, optimizer)
+        if error is not None:
+            return error
+    return None
+
+
+def _check_group_momentum(group: dict, optimizer) -> Exception | None:
+    momentum = group.get("momentum", optimizer.defaults.get("momentum", 0))
+    if momentum:
+        return ValueError(
+            f"momentum_correction keeps the momentum itself, but the wrapped SGD has "
+            f"momentum={momentum} in a parameter group, which would apply it twice; build "
+            "torch.optim.SGD(..., momentum=0) and pass the factor as momentum_correction"
+        )
     return None
 
 
