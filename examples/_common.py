@@ -79,6 +79,13 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         help="with --optimizer sgd: apply the momentum 0.9 before compression (DGC) "
         "instead of in SGD",
     )
+    add(
+        "--exchange",
+        choices=("gradients", "updates"),
+        default="gradients",
+        help="gradients: average gradients, then step; updates: each rank steps on its own "
+        "gradient and the updates are compressed and averaged",
+    )
     add("--threshold", type=float, default=1e-3, help="Threshold magnitude")
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
@@ -139,6 +146,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--density must be in (0, 1], got {args.density}; 1% is 0.01")
     if args.density_warmup < 0:
         parser.error(f"--density-warmup must be >= 0, got {args.density_warmup}")
+    if args.momentum_correction and args.exchange == "updates":
+        parser.error("--momentum-correction works on gradients, not with --exchange updates")
     if args.momentum_correction and args.optimizer != "sgd":
         parser.error("--momentum-correction is SGD momentum: it needs --optimizer sgd")
 
@@ -207,6 +216,7 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
         bucket_cap_mb=args.bucket_cap_mb,
         min_compress_numel=args.min_compress_numel,
         momentum_correction=0.9 if args.momentum_correction else None,
+        exchange=args.exchange,
     )
 
 
@@ -272,6 +282,7 @@ def _config_for_resume(args: argparse.Namespace, world_size: int) -> dict:
         "density_warmup",
         "density_warmup_shape",
         "momentum_correction",
+        "exchange",
     )
     config = {key: getattr(args, key) for key in keys}
     config["density" if args.compressor == "topk" else "threshold"] = (

@@ -32,6 +32,7 @@ _KEYWORDS = (
     "overlap",
     "profile",
     "momentum_correction",
+    "exchange",
 )
 
 # GradScaler hands itself to an optimizer whose step() takes `grad_scaler`, with a
@@ -101,6 +102,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             sparse message has its ``u`` zeroed (momentum factor masking). The wrapped
             optimizer must then be ``torch.optim.SGD`` with ``momentum=0``: the momentum
             lives here instead. Default ``None``: off.
+        exchange: what is compressed and averaged. ``"gradients"`` (default): each rank's
+            gradient; the wrapped optimizer steps on the average. ``"updates"``: each rank
+            first steps the wrapped optimizer on its own gradient, and the update it made
+            (new parameters minus old) is compressed with error feedback, averaged, and
+            applied on every rank. The wrapped optimizer's state (Adam's moments) is then
+            per rank, built from that rank's gradients; an adaptive optimizer's update is
+            the same size for every coordinate, so error feedback delays it without
+            shrinking it. No overlap with backward (the update exists only after it), one
+            more small all-reduce per step (to refuse a non-finite gradient before the
+            wrapped optimizer steps), no ``GradScaler``.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -133,6 +144,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         profile: bool = False,
         momentum_correction: float | None = None,
+        exchange: str = "gradients",
         **unexpected: Any,
     ):
         self._comm = Communicator(process_group)
@@ -142,6 +154,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 overlap, unexpected,
             )
             or _check_momentum_correction(optimizer, momentum_correction)
+            or _check_exchange(exchange, momentum_correction)
         )  # fmt: skip
         self.optimizer = optimizer
         self.compressor = compressor
@@ -153,6 +166,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.momentum_correction = (
             None if momentum_correction is None else float(momentum_correction)
         )
+        self.exchange = exchange
         self._steps_taken = 0  # steps not skipped: the compressor's schedule reads it
         self._comm.timed = self.profile
         self._ready = False
@@ -257,6 +271,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         Collective: every rank must call it. Raises :class:`NonFiniteGradientError` as
         ``step()`` does (the step is then dropped on every rank)."""
+        if self.exchange == "updates":
+            raise RuntimeError(
+                "synchronize() exchanges gradients; with exchange='updates' the exchange "
+                "happens inside step(), after the wrapped optimizer has stepped"
+            )
         self._synchronize(grad_scaler=None)
         if self._bad_ranks:
             bad_ranks = self._bad_ranks
@@ -281,6 +300,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.exchange == "updates":
+            self._step_updates(grad_scaler)
+            return loss
         if grad_scaler is not None:
             self._scaler_seen = True
             if self._synchronized and self._step_stats.steps:
@@ -305,6 +327,42 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
+
+    def _step_updates(self, grad_scaler) -> None:
+        """``exchange="updates"``: agree that every gradient is finite, step the wrapped
+        optimizer on this rank's gradient, exchange the update it made (compressed, with
+        error feedback) and apply the average."""
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "exchange='updates' does not work under torch.amp.GradScaler (the wrapped "
+                "optimizer steps before the ranks' scalers could agree); use the default "
+                "exchange='gradients'"
+            )
+        params = [p for p in self._params if p.grad is not None]
+        bad = any(not bool(torch.isfinite(p.grad).all()) for p in params)
+        flags = torch.zeros(self.world_size)
+        flags[self.rank] = float(bad)
+        if self._comm.distributed:
+            flags = self._comm.all_reduce_(flags, op="max")
+        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        if bad_ranks:
+            self._step_stats = StepStats(steps=1)
+            self._finish_step(skipped=True)
+            raise NonFiniteGradientError(bad_ranks)
+        before = [p.detach().clone() for p in params]
+        self.optimizer.step()
+        for param, old in zip(params, before):
+            torch.sub(old, param, out=param.grad)  # the update, as a gradient: old - new
+            param.copy_(old)
+        self._synchronize(grad_scaler=None)
+        if self._bad_ranks:  # finite gradients, non-finite update: nothing is applied
+            bad_ranks = self._bad_ranks
+            self._finish_step(skipped=True)
+            raise NonFiniteGradientError(bad_ranks)
+        self._finish_step(skipped=False)
+        for param in self._params:
+            if param.grad is not None:
+                param.sub_(param.grad)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must call
@@ -353,6 +411,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "steps_taken": self._steps_taken,
                 "momentum_correction": self.momentum_correction,
                 "velocities": self._velocities_by_position(),
+                "exchange": self.exchange,
             },
         }
 
@@ -574,6 +633,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         steps = ours.get("steps_taken", 0)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise refuse(f"'steps_taken' must be an int >= 0, got {steps!r}")
+        saved = ours.get("exchange", "gradients")
+        if saved != self.exchange:
+            raise refuse(
+                f"saved with exchange={saved!r}, this optimizer has exchange={self.exchange!r}"
+            )
         saved = ours.get("momentum_correction")
         if saved != self.momentum_correction:
             raise refuse(
@@ -629,6 +693,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self.min_compress_numel,
                 self.overlap,
                 self.momentum_correction,
+                self.exchange,
             ],
             "params": [
                 [list(p.shape), str(p.dtype), p.requires_grad, p.device.type] for p in params
@@ -641,7 +706,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"ranks disagree on settings: rank 0 has {first['settings']}, rank {rank} "
                     f"has {theirs['settings']} ([compressor, error_feedback, bucket_cap_mb, "
-                    "min_compress_numel, overlap, momentum_correction]); construct "
+                    "min_compress_numel, overlap, momentum_correction, exchange]); construct "
                     "CompressedOptimizer with the "
                     "same arguments on every rank"
                 )
@@ -793,6 +858,20 @@ def _scheduled_density(compressor: Compressor, step: int) -> float:
     if isinstance(current, TopK):
         return current.density
     return 0.0 if isinstance(current, Threshold) else 1.0
+
+
+def _check_exchange(exchange, momentum_correction) -> Exception | None:
+    if exchange not in ("gradients", "updates"):
+        return ValueError(
+            f"exchange must be 'gradients' (average the gradients, then step) or 'updates' "
+            f"(step on each rank, average the updates), got {exchange!r}"
+        )
+    if exchange == "updates" and momentum_correction is not None:
+        return ValueError(
+            "momentum_correction works on gradients; with exchange='updates' the wrapped "
+            "optimizer's own momentum runs on each rank before compression already"
+        )
+    return None
 
 
 def _check_momentum_correction(optimizer, momentum_correction) -> Exception | None:

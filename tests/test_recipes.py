@@ -1,6 +1,9 @@
-"""TopK's density warm-up and DGC momentum correction (``momentum_correction``), on one
-process and on two gloo ranks: the schedule's shape, what each step sends, conservation of
-what is sent plus what is kept, refused steps, checkpoints and rank agreement."""
+"""The training recipes: TopK's density warm-up, DGC momentum correction
+(``momentum_correction``) and ``exchange="updates"``, on one process and on two gloo ranks:
+the schedule's shape, what each step sends, conservation of what is sent plus what is kept,
+refused steps, checkpoints and rank agreement."""
+
+import copy
 
 import _workers
 import pytest
@@ -259,14 +262,101 @@ def test_add_param_group_keeps_velocities():
     assert torch.equal(opt.velocity(extra.weight), torch.zeros(30, 40))
 
 
+# ------------------------------------------------------------------ exchange="updates"
+
+
+def test_updates_with_dense_is_the_plain_optimizer():
+    a, b = model_of(), model_of()
+    plain = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    wrapped = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(b.parameters(), lr=1e-2), sparsecomm.Dense(), exchange="updates"
+    )
+    for step in range(6):
+        step_on(a, plain, step)
+        step_on(b, wrapped, step)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert not torch.equal(a[0].weight, model_of()[0].weight)
+
+
+def test_updates_conserve_the_local_update():
+    """Per step on one rank: sent + new residual = old residual + the update the wrapped
+    AdamW made from this rank's gradient, bit for bit; the parameter moves by what was sent."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(2000))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW([param], lr=1e-2), sparsecomm.TopK(0.02), exchange="updates"
+    )
+    twin = torch.nn.Parameter(torch.zeros(2000))
+    twin_opt = torch.optim.AdamW([twin], lr=1e-2)
+    for _ in range(5):
+        grad = torch.randn(2000)
+        residual, old = opt.residual(param), param.detach().clone()
+        twin_opt.load_state_dict(copy.deepcopy(opt.optimizer.state_dict()))  # no aliasing
+        with torch.no_grad():
+            twin.copy_(old)
+        twin.grad = grad.clone()
+        twin_opt.step()
+        update = torch.sub(old, twin.detach())
+        (param * grad).sum().backward()
+        opt.step()
+        sent = param.grad != 0
+        assert int(sent.sum()) == 40
+        assert torch.equal(param.grad + opt.residual(param), residual + update)
+        assert torch.equal(param.detach(), old - param.grad)
+        opt.zero_grad()
+
+
+def test_updates_refuse_a_nonfinite_gradient_before_the_wrapped_optimizer_steps():
+    model = model_of()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="updates"
+    )
+    for step in range(2):
+        step_on(model, opt, step)
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = opt.optimizer.state[model[0].weight]["exp_avg"].clone()
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    model[0].weight.grad[3, 4] = float("nan")
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    assert opt.steps_taken == 2 and opt.total_stats.skipped_steps == 1
+    assert torch.equal(opt.optimizer.state[model[0].weight]["exp_avg"], moments)
+    assert float(opt.optimizer.state[model[0].weight]["step"]) == 2
+    for p, before in zip(model.parameters(), params):
+        assert torch.equal(p, before)
+
+
+def test_updates_arguments_are_checked():
+    model = model_of()
+    with pytest.raises(ValueError, match="'gradients'"):
+        sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="grads"
+        )
+    with pytest.raises(ValueError, match="momentum_correction works on gradients"):
+        dgc(model, sparsecomm.TopK(0.05), exchange="updates")
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="updates"
+    )
+    with pytest.raises(RuntimeError, match="inside step"):
+        opt.synchronize()
+    state = opt.state_dict()
+    plain = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05)
+    )
+    with pytest.raises(ValueError, match="exchange='updates'"):
+        plain.load_state_dict(state)
+
+
 # ------------------------------------------------------------------ two ranks
 
 
-def test_ranks_agree_and_resume_bitwise_with_warmup_and_momentum_correction(tmp_path):
+def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
     configs = [
         (sparsecomm.TopK(0.05, warmup_steps=15), "dgc"),
         (sparsecomm.TopK(0.05, warmup_steps=15, warmup="dense"), "adamw"),
         (sparsecomm.Dense(), "dgc"),
+        (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
     ]
     full = run_ranks(_workers.resume, 2, "full", str(tmp_path), configs, 10, 20)
     run_ranks(_workers.resume, 2, "first", str(tmp_path), configs, 10, 20)
