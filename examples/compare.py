@@ -189,15 +189,26 @@ def plot(rows: list[tuple[str, dict, float]], path: Path, task: str = "digits") 
 
     _, _, ylabel, higher_better, _ = TASKS[task]
     scale = 100 if task == "digits" else 1
-    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
+    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5.5))
+    # One colour per recipe, one line style per density: ten colours would repeat otherwise.
+    variants: list[str] = []
+    for _, s, _ in rows:
+        if s.get("variant", s["label"]) not in variants:
+            variants.append(s.get("variant", s["label"]))
     for _, s, _ in rows:
         metric = s["metric"]
+        style = {
+            "color": plt.cm.tab10(variants.index(s.get("variant", s["label"])) % 10),
+            "linestyle": ("-", "--", ":", "-.")[s.get("density_index", 0) % 4],
+            "marker": ".",
+            "label": s["label"],
+        }
         steps = [r["step"] for r in s["evals"]]
         values = [scale * r[metric] for r in s["evals"]]
-        by_step.plot(steps, values, marker=".", label=s["label"])
+        by_step.plot(steps, values, **style)
         # Step 0 (nothing sent yet) has no place on a log axis.
         sent = [(r["mb_sent"], scale * r[metric]) for r in s["evals"] if r["mb_sent"] > 0]
-        by_bytes.plot(*zip(*sent), marker=".", label=s["label"])
+        by_bytes.plot(*zip(*sent), **style)
     name = ylabel.split(" (")[0]
     by_step.set(xlabel="step", ylabel=ylabel, title=f"{name} against step")
     by_bytes.set(
@@ -283,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         summary = summarize(read_json_log(log_json), metric)
         summary["label"] = label
+        summary["variant"], summary["density_index"] = name, 0
+        for index, density in enumerate(args.density):
+            if len(args.density) > 1 and name.endswith(f"-{density:g}"):
+                summary["variant"], summary["density_index"] = name[: -len(f"-{density:g}")], index
         rows.append((name, summary, seconds))
         print(
             f"  {metric} {_value(args.task, summary['final'])}, "

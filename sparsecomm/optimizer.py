@@ -111,7 +111,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             the same size for every coordinate, so error feedback delays it without
             shrinking it. No overlap with backward (the update exists only after it), one
             more small all-reduce per step (to refuse a non-finite gradient before the
-            wrapped optimizer steps), no ``GradScaler``.
+            wrapped optimizer steps; a non-finite *update* from finite gradients is
+            refused too, but the wrapped optimizer has then stepped), no ``GradScaler``.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -212,30 +213,25 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def residual(self, param: torch.Tensor) -> torch.Tensor:
         """What ``param``'s gradient has not sent yet: a float32 tensor shaped like ``param``
         (a copy; zeros when the parameter keeps no residual)."""
-        entry = self._engine.member_of.get(id(param))
-        if entry is None:
-            raise ValueError(
-                "residual(param): this tensor is not a parameter of the wrapped optimizer (or "
-                "does not require grad); pass one of the tensors in opt.param_groups"
-            )
-        bucket, member = entry
-        if bucket.residual is None:
-            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        return bucket.view(bucket.residual, member).clone()
+        return self._piece_of(param, "residual")
 
     def velocity(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s momentum-correction velocity (a float32 copy shaped like ``param``;
         zeros without ``momentum_correction``)."""
+        return self._piece_of(param, "velocity")
+
+    def _piece_of(self, param: torch.Tensor, buffer: str) -> torch.Tensor:
         entry = self._engine.member_of.get(id(param))
         if entry is None:
             raise ValueError(
-                "velocity(param): this tensor is not a parameter of the wrapped optimizer (or "
+                f"{buffer}(param): this tensor is not a parameter of the wrapped optimizer (or "
                 "does not require grad); pass one of the tensors in opt.param_groups"
             )
         bucket, member = entry
-        if bucket.velocity is None:
+        flat = getattr(bucket, buffer)
+        if flat is None:
             return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        return bucket.view(bucket.velocity, member).clone()
+        return bucket.view(flat, member).clone()
 
     @property
     def steps_taken(self) -> int:
@@ -339,9 +335,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "exchange='gradients'"
             )
         params = [p for p in self._params if p.grad is not None]
-        bad = any(not bool(torch.isfinite(p.grad).all()) for p in params)
-        flags = torch.zeros(self.world_size)
-        flags[self.rank] = float(bad)
+        device = self._engine.buckets[0].device if self._engine.buckets else torch.device("cpu")
+        flags = torch.zeros(self.world_size, device=device)
+        if params:  # one flag on the device, then the step's one extra host sync
+            finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
+            flags[self.rank] = (~finite.all()).float()
         if self._comm.distributed:
             flags = self._comm.all_reduce_(flags, op="max")
         bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
@@ -582,42 +580,38 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _residuals_by_position(self) -> list[torch.Tensor | None]:
-        residuals: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket in self._engine.buckets:
-            if bucket.residual is None:
-                continue
-            for member, position in enumerate(bucket.positions):
-                residuals[position] = bucket.view(bucket.residual, member).clone()
-        return residuals
+        return self._by_position("residual")
 
     def _load_residuals(self, residuals: list[torch.Tensor | None]) -> None:
-        for bucket in self._engine.buckets:
-            if bucket.residual is None:
-                continue
-            for member, position in enumerate(bucket.positions):
-                saved = residuals[position] if position < len(residuals) else None
-                target = bucket.residual[bucket.span(member)]
-                if saved is None:
-                    target.zero_()
-                else:
-                    target.copy_(saved.reshape(-1))
+        self._load_by_position("residual", residuals)
 
     def _velocities_by_position(self) -> list[torch.Tensor | None]:
-        velocities: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket in self._engine.buckets:
-            if bucket.velocity is None:
-                continue
-            for member, position in enumerate(bucket.positions):
-                velocities[position] = bucket.view(bucket.velocity, member).clone()
-        return velocities
+        return self._by_position("velocity")
 
     def _load_velocities(self, velocities: list[torch.Tensor | None]) -> None:
+        self._load_by_position("velocity", velocities)
+
+    def _by_position(self, buffer: str) -> list[torch.Tensor | None]:
+        """Per parameter position, a copy of its piece of each bucket's ``buffer``
+        (``"residual"`` or ``"velocity"``); None where its bucket keeps none."""
+        pieces: list[torch.Tensor | None] = [None] * len(self._params)
         for bucket in self._engine.buckets:
-            if bucket.velocity is None:
+            flat = getattr(bucket, buffer)
+            if flat is None:
                 continue
             for member, position in enumerate(bucket.positions):
-                saved = velocities[position] if position < len(velocities) else None
-                target = bucket.velocity[bucket.span(member)]
+                pieces[position] = bucket.view(flat, member).clone()
+        return pieces
+
+    def _load_by_position(self, buffer: str, pieces: list[torch.Tensor | None]) -> None:
+        """The inverse of ``_by_position``; a missing piece loads as zeros."""
+        for bucket in self._engine.buckets:
+            flat = getattr(bucket, buffer)
+            if flat is None:
+                continue
+            for member, position in enumerate(bucket.positions):
+                saved = pieces[position] if position < len(pieces) else None
+                target = flat[bucket.span(member)]
                 if saved is None:
                     target.zero_()
                 else:
