@@ -125,8 +125,18 @@ def test_charlm_reports_validation_loss():
             "--lr",
             "3e-3",
         ],  # AdamW moments + padded Threshold exchange
+        # Checkpoint at step 8 in the middle of a 16-step density warm-up, with DGC velocities.
+        [
+            "--compressor",
+            "topk",
+            "--density",
+            "0.01",
+            "--density-warmup",
+            "16",
+            "--momentum-correction",
+        ],
     ],
-    ids=["topk-sgd", "threshold-adamw"],
+    ids=["topk-sgd", "threshold-adamw", "topk-warmup-dgc"],
 )
 def test_killed_and_resumed_run_matches_uninterrupted_bitwise(tmp_path, flags):
     steps = ["--steps", "24", "--eval-every", "8"]
