@@ -701,8 +701,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     f"ranks disagree on settings: rank 0 has {first['settings']}, rank {rank} "
                     f"has {theirs['settings']} ([compressor, error_feedback, bucket_cap_mb, "
                     "min_compress_numel, overlap, momentum_correction, exchange]); construct "
-                    "CompressedOptimizer with the "
-                    "same arguments on every rank"
+                    "CompressedOptimizer with the same arguments on every rank"
                 )
             if theirs["params"] != first["params"]:
                 detail = _first_difference(first["params"], theirs["params"], start, rank)
