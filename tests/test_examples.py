@@ -231,29 +231,21 @@ def test_resume_refuses_other_settings(tmp_path):
     assert common.load_checkpoint(str(tmp_path / "empty"), None, None, saved, 0, 2) == 0
 
 
-def test_compare_writes_plot_and_table(tmp_path):
-    pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
-    out = tmp_path / "compare"
+def run_compare(out: Path, *flags: str) -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "compare.py"),
-            "--out",
-            str(out),
-            "--steps",
-            "6",
-            "--eval-every",
-            "3",
-            "--runs",
-            "dense",
-            "topk-ef",
-        ],
+        [sys.executable, str(EXAMPLES / "compare.py"), "--out", str(out), *flags],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=2 * TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+
+def test_compare_writes_plot_and_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
+    out = tmp_path / "compare"
+    run_compare(out, "--steps", "6", "--eval-every", "3", "--runs", "dense", "topk-ef")
     assert (out / "compare.png").stat().st_size > 10_000
     table = (out / "results.md").read_text()
     assert "| Dense fp32 |" in table and "| TopK(0.01) + EF |" in table
@@ -264,44 +256,19 @@ def test_compare_writes_plot_and_table(tmp_path):
 def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
     pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
     out = tmp_path / "compare"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "compare.py"),
-            "--task",
-            "charlm",
-            "--out",
-            str(out),
-            "--steps",
-            "4",
-            "--eval-every",
-            "2",
-            "--density",
-            "0.01",
-            "0.001",
-            "--density-warmup",
-            "2",
-            "--runs",
-            "dense",
-            "topk-updates-warmup-0.001",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=2 * TIMEOUT_S,
+    run_compare(
+        out,
+        *("--task", "charlm", "--steps", "4", "--eval-every", "2"),
+        *("--density", "0.01", "0.001", "--density-warmup", "2"),
+        *("--runs", "dense", "topk-updates-warmup-0.001"),
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert (out / "charlm.png").stat().st_size > 10_000
     assert not (out / "results.md").exists()  # the digits table is left alone
     table = (out / "charlm.md").read_text()
     assert "val bits per byte" in table and "AdamW" in table
     row = next(line for line in table.splitlines() if line.startswith("| TopK(0.001)"))
     assert "updates, exp. warm-up 2 (d+b)" in row
-    assert (out / "charlm-topk-updates-warmup-0.001.jsonl").exists()
-    config = next(
-        json.loads(line)
-        for line in (out / "charlm-topk-updates-warmup-0.001.jsonl").read_text().splitlines()
-        if '"config"' in line
-    )
+    log = (out / "charlm-topk-updates-warmup-0.001.jsonl").read_text().splitlines()
+    config = next(json.loads(line) for line in log if '"config"' in line)
     assert config["exchange"] == "updates" and config["density_warmup"] == 2
     assert "warmup_steps=2" in config["compressor"]
