@@ -54,6 +54,39 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         "threshold: Threshold(--threshold)",
     )
     add("--density", type=float, default=0.01, help="TopK density (fraction of elements sent)")
+    add(
+        "--density-warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="TopK density warm-up over the first N steps (TopK(warmup_steps=N))",
+    )
+    add(
+        "--density-warmup-shape",
+        choices=("exponential", "dense"),
+        default="exponential",
+        help="exponential: from --density-warmup-start down to --density (DGC); "
+        "dense: send everything for N steps",
+    )
+    add(
+        "--density-warmup-start",
+        type=float,
+        default=0.25,
+        help="density of the first exponential warm-up step",
+    )
+    add(
+        "--momentum-correction",
+        action="store_true",
+        help="with --optimizer sgd: apply the momentum 0.9 before compression (DGC) "
+        "instead of in SGD",
+    )
+    add(
+        "--exchange",
+        choices=("gradients", "updates"),
+        default="gradients",
+        help="gradients: average gradients, then step; updates: each rank steps on its own "
+        "gradient and the updates are compressed and averaged",
+    )
     add("--threshold", type=float, default=1e-3, help="Threshold magnitude")
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
@@ -122,6 +155,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--resume needs --checkpoint DIR (the directory to resume from)")
     if args.compressor == "topk" and not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}; 1% is 0.01")
+    if args.density_warmup < 0:
+        parser.error(f"--density-warmup must be >= 0, got {args.density_warmup}")
+    if args.momentum_correction and args.exchange == "updates":
+        parser.error("--momentum-correction works on gradients, not with --exchange updates")
+    if args.momentum_correction and args.optimizer != "sgd":
+        parser.error("--momentum-correction is SGD momentum: it needs --optimizer sgd")
 
 
 # --------------------------------------------------------------------------- distributed
@@ -163,15 +202,21 @@ def make_compressor(args: argparse.Namespace) -> sparsecomm.Compressor:
     if args.compressor == "bf16":
         return sparsecomm.Cast(torch.bfloat16)
     if args.compressor == "topk":
-        return sparsecomm.TopK(density=args.density)
+        return sparsecomm.TopK(
+            density=args.density,
+            warmup_steps=args.density_warmup,
+            warmup=args.density_warmup_shape,
+            warmup_start=max(args.density_warmup_start, args.density),
+        )
     return sparsecomm.Threshold(args.threshold)
 
 
 def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
     """The wrapped optimizer. Every rank must call it (the wrapper broadcasts rank 0's model)."""
     if args.optimizer == "sgd":
+        momentum = 0.0 if args.momentum_correction else 0.9  # then the wrapper applies it
         inner = torch.optim.SGD(
-            model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay
+            model.parameters(), lr=args.lr, momentum=momentum, weight_decay=args.weight_decay
         )
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -181,6 +226,8 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
         error_feedback=not args.no_error_feedback,
         bucket_cap_mb=args.bucket_cap_mb,
         min_compress_numel=args.min_compress_numel,
+        momentum_correction=0.9 if args.momentum_correction else None,
+        exchange=args.exchange,
     )
 
 
@@ -237,7 +284,17 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def _config_for_resume(args: argparse.Namespace, world_size: int) -> dict:
     """What must not change between a run and its resumption."""
-    keys = ("compressor", "optimizer", "batch_size", "seed", "no_error_feedback")
+    keys = (
+        "compressor",
+        "optimizer",
+        "batch_size",
+        "seed",
+        "no_error_feedback",
+        "density_warmup",
+        "density_warmup_shape",
+        "momentum_correction",
+        "exchange",
+    )
     config = {key: getattr(args, key) for key in keys}
     config["density" if args.compressor == "topk" else "threshold"] = (
         args.density if args.compressor == "topk" else args.threshold

@@ -1,15 +1,24 @@
-"""Compare compressors on the digits example: accuracy against step and against bytes sent.
+"""Compare compressors on an example: its metric against step and against bytes sent.
 
-Runs ``train_digits.py`` under torchrun (2 ranks by default, same seed and flags) for dense
-fp32, Cast(bf16), TopK(0.01) with and without error feedback, and Threshold, then writes to
-the output directory (default ``runs/compare/``):
+``--task digits`` (default) runs ``train_digits.py`` (SGD momentum) for dense fp32,
+Cast(bf16), TopK with and without error feedback, TopK with a density warm-up, TopK with
+DGC momentum correction and Threshold. ``--task charlm`` runs ``train_charlm.py`` (AdamW)
+for dense fp32 and the AdamW recipes: TopK into AdamW as it is, with the exponential density
+warm-up, with a dense warm-up, and with ``exchange="updates"`` (alone and with either
+warm-up). Each TopK run is repeated for every ``--density``. All runs use torchrun (2 ranks
+by default) with the same seed and flags, and write to the output directory (default
+``runs/compare/``):
 
-- ``compare.png``: test accuracy against step and against megabytes sent (rank 0);
-- ``results.md``: the measured table (final accuracy, MB sent, ratio to dense);
-- ``<run>.jsonl`` and ``<run>.log``: each run's metrics and output.
+- ``compare.png`` / ``charlm.png``: the metric against step and against megabytes sent
+  (rank 0);
+- ``results.md`` / ``charlm.md``: the measured table (final metric, MB sent, ratio to
+  dense);
+- ``<run>.jsonl`` and ``<run>.log`` (``charlm-<run>.*`` for charlm): each run's metrics and
+  output.
 
-    python examples/compare.py                       # all five runs, ~2 minutes on 2 CPU cores
+    python examples/compare.py                                 # digits, ~2 minutes
     python examples/compare.py --steps 100 --runs dense topk-ef topk-no-ef
+    python examples/compare.py --task charlm --density 0.01 0.001   # ~5 minutes
 """
 
 from __future__ import annotations
@@ -25,22 +34,70 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import read_json_log  # noqa: E402
 
+TASKS = {
+    # task: (script, metric key, metric label, higher is better, output prefix)
+    "digits": ("train_digits.py", "test_accuracy", "test accuracy (%)", True, ""),
+    "charlm": (
+        "train_charlm.py",
+        "val_bits_per_byte",
+        "validation bits per byte",
+        False,
+        "charlm-",
+    ),
+}
 
-def run_specs(density: float, threshold: float) -> dict[str, tuple[str, list[str]]]:
-    """``{run name: (label, train_digits.py flags)}``, in the order they are run and plotted."""
-    return {
-        "dense": ("Dense fp32", ["--compressor", "dense"]),
-        "bf16": ("Cast(bf16)", ["--compressor", "bf16"]),
-        "topk-ef": (f"TopK({density:g}) + EF", ["--compressor", "topk", "--density", str(density)]),
-        "topk-no-ef": (
-            f"TopK({density:g}) no EF",
-            ["--compressor", "topk", "--density", str(density), "--no-error-feedback"],
-        ),
-        "threshold": (
+
+def run_specs(
+    task: str, densities: list[float], threshold: float, warmup: int
+) -> dict[str, tuple[str, list[str]]]:
+    """``{run name: (label, flags)}``, in the order they are run and plotted."""
+    specs = {"dense": ("Dense fp32", ["--compressor", "dense"])}
+    if task == "digits":
+        specs["bf16"] = ("Cast(bf16)", ["--compressor", "bf16"])
+    many = len(densities) > 1
+    exp = ["--density-warmup", str(warmup)]
+    dense = [*exp, "--density-warmup-shape", "dense"]
+    if task == "digits":
+        variants = [
+            ("topk-ef", "+ EF", []),
+            ("topk-no-ef", "no EF", ["--no-error-feedback"]),
+            ("topk-warmup", f"+ EF, exp. warm-up {warmup}", exp),
+            (
+                "topk-dgc",
+                f"+ EF, warm-up {warmup}, momentum corr.",
+                [*exp, "--momentum-correction"],
+            ),
+        ]
+    else:
+        variants = [
+            ("topk-ef", "+ EF (a: as is)", []),
+            ("topk-warmup", f"+ EF, exp. warm-up {warmup} (b)", exp),
+            ("topk-dense-warmup", f"+ EF, dense warm-up {warmup} (c)", dense),
+            ("topk-updates", "+ EF, updates (d)", ["--exchange", "updates"]),
+            (
+                "topk-updates-warmup",
+                f"+ EF, updates, exp. warm-up {warmup} (d+b)",
+                ["--exchange", "updates", *exp],
+            ),
+            (
+                "topk-updates-dense-warmup",
+                f"+ EF, updates, dense warm-up {warmup} (d+c)",
+                ["--exchange", "updates", *dense],
+            ),
+        ]
+    for density in densities:
+        for name, what, flags in variants:
+            key = f"{name}-{density:g}" if many else name
+            specs[key] = (
+                f"TopK({density:g}) {what}",
+                ["--compressor", "topk", "--density", str(density), *flags],
+            )
+    if task == "digits":
+        specs["threshold"] = (
             f"Threshold({threshold:g}) + EF",
             ["--compressor", "threshold", "--threshold", str(threshold)],
-        ),
-    }
+        )
+    return specs
 
 
 def torchrun(nproc: int, script: Path, flags: list[str], log_path: Path, timeout: float) -> float:
@@ -68,14 +125,15 @@ def torchrun(nproc: int, script: Path, flags: list[str], log_path: Path, timeout
     return time.perf_counter() - started
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[dict], metric: str = "test_accuracy") -> dict:
     evals = [r for r in records if r["event"] == "eval"]
     trains = [r for r in records if r["event"] == "train"]
     final = next(r for r in records if r["event"] == "final")
-    last = [r["test_accuracy"] for r in evals[-3:]]
+    last = [r[metric] for r in evals[-3:]]
     return {
-        "final_accuracy": final["test_accuracy"],
-        "last3_accuracy": sum(last) / len(last),
+        "metric": metric,
+        "final": final[metric],
+        "last3": sum(last) / len(last),
         "mb_sent": final["mb_sent"],
         "dense_mb": final["dense_mb"],
         "mean_density": sum(r["density"] for r in trains) / len(trains),
@@ -83,22 +141,39 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+def _value(task: str, value: float) -> str:
+    return f"{100 * value:.2f}%" if task == "digits" else f"{value:.4f}"
+
+
 def write_table(rows: list[tuple[str, dict, float]], args, path: Path) -> str:
     dense = next((s for name, s, _ in rows if name == "dense"), None)
+    if args.task == "digits":
+        head = (
+            f"digits CNN, {args.nproc} ranks (gloo, CPU), SGD momentum 0.9, lr {args.lr:g}, "
+            f"{args.steps} steps of {args.batch_size} per rank, seed {args.seed}."
+        )
+        metric = "test acc"
+    else:
+        head = (
+            f"byte-level transformer LM, {args.nproc} ranks (gloo, CPU), AdamW, "
+            f"train_charlm.py defaults otherwise, {args.steps} steps, seed {args.seed}."
+        )
+        metric = "val bits per byte"
     lines = [
-        f"digits CNN, {args.nproc} ranks (gloo, CPU), SGD momentum 0.9, lr {args.lr:g}, "
-        f"{args.steps} steps of {args.batch_size} per rank, seed {args.seed}. "
-        "MB sent: rank 0's payload into the collectives (StepStats.bytes_sent).",
+        f"{head} MB sent: rank 0's payload into the collectives (StepStats.bytes_sent).",
         "",
-        "| run | final test acc | mean of last 3 evals | MB sent | ratio to dense | "
+        f"| run | final {metric} | vs dense | mean of last 3 evals | MB sent | ratio to dense | "
         "mean density | wall s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, s, seconds in rows:
-        ratio = s["mb_sent"] / (dense or s)["mb_sent"] if (dense or s)["mb_sent"] else float("nan")
+        base = dense or s
+        ratio = s["mb_sent"] / base["mb_sent"] if base["mb_sent"] else float("nan")
+        gap = s["final"] - base["final"]
+        gap = f"{100 * gap:+.2f}" if args.task == "digits" else f"{gap:+.4f}"
         lines.append(
-            f"| {s['label']} | {100 * s['final_accuracy']:.2f}% | "
-            f"{100 * s['last3_accuracy']:.2f}% | {s['mb_sent']:.2f} | {ratio:.4f} "
+            f"| {s['label']} | {_value(args.task, s['final'])} | {gap} | "
+            f"{_value(args.task, s['last3'])} | {s['mb_sent']:.2f} | {ratio:.4f} "
             f"(1/{1 / ratio:.1f}) | {100 * s['mean_density']:.2f}% | {seconds:.0f} |"
         )
     text = "\n".join(lines) + "\n"
@@ -106,31 +181,50 @@ def write_table(rows: list[tuple[str, dict, float]], args, path: Path) -> str:
     return text
 
 
-def plot(rows: list[tuple[str, dict, float]], path: Path) -> None:
+def plot(rows: list[tuple[str, dict, float]], path: Path, task: str = "digits") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _, _, ylabel, higher_better, _ = TASKS[task]
+    scale = 100 if task == "digits" else 1
+    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5.5))
+    # One colour per recipe, one line style per density: ten colours would repeat otherwise.
+    variants: list[str] = []
     for _, s, _ in rows:
+        if s.get("variant", s["label"]) not in variants:
+            variants.append(s.get("variant", s["label"]))
+    for _, s, _ in rows:
+        metric = s["metric"]
+        style = {
+            "color": plt.cm.tab10(variants.index(s.get("variant", s["label"])) % 10),
+            "linestyle": ("-", "--", ":", "-.")[s.get("density_index", 0) % 4],
+            "marker": ".",
+            "label": s["label"],
+        }
         steps = [r["step"] for r in s["evals"]]
-        accuracy = [100 * r["test_accuracy"] for r in s["evals"]]
-        by_step.plot(steps, accuracy, marker=".", label=s["label"])
+        values = [scale * r[metric] for r in s["evals"]]
+        by_step.plot(steps, values, **style)
         # Step 0 (nothing sent yet) has no place on a log axis.
-        sent = [(r["mb_sent"], 100 * r["test_accuracy"]) for r in s["evals"] if r["mb_sent"] > 0]
-        by_bytes.plot(*zip(*sent), marker=".", label=s["label"])
-    by_step.set(xlabel="step", ylabel="test accuracy (%)", title="accuracy against step")
+        sent = [(r["mb_sent"], scale * r[metric]) for r in s["evals"] if r["mb_sent"] > 0]
+        by_bytes.plot(*zip(*sent), **style)
+    name = ylabel.split(" (")[0]
+    by_step.set(xlabel="step", ylabel=ylabel, title=f"{name} against step")
     by_bytes.set(
         xlabel="MB sent by rank 0 (log scale)",
-        ylabel="test accuracy (%)",
-        title="accuracy against bytes sent",
+        ylabel=ylabel,
+        title=f"{name} against bytes sent",
         xscale="log",
     )
     for axes in (by_step, by_bytes):
-        axes.set_ylim(0, 100)
+        if task == "digits":
+            axes.set_ylim(0, 100)
+        else:  # the untrained model's 8 bits per byte would flatten the curves
+            finals = [s["final"] for _, s, _ in rows]
+            axes.set_ylim(min(finals) - 0.1, max(finals) + 1.0)
         axes.grid(alpha=0.3)
-    by_step.legend(loc="lower right")
+    by_step.legend(loc="lower right" if higher_better else "upper right", fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -140,25 +234,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    parser.add_argument("--task", choices=tuple(TASKS), default="digits")
     parser.add_argument("--out", default="runs/compare", help="output directory")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--batch-size", type=int, help="per rank (default: digits 32, charlm its own 16)"
+    )
+    parser.add_argument("--lr", type=float, help="default: digits 0.05, charlm its own 3e-3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--density", type=float, default=0.01, help="TopK density")
-    parser.add_argument("--threshold", type=float, default=1e-2, help="Threshold magnitude")
     parser.add_argument(
-        "--runs",
-        nargs="+",
-        metavar="RUN",
-        help="subset of: dense bf16 topk-ef topk-no-ef threshold",
+        "--density", type=float, nargs="+", default=[0.01], help="TopK densities, one set each"
     )
+    parser.add_argument(
+        "--density-warmup", type=int, default=100, help="steps of the warm-up runs' warm-up"
+    )
+    parser.add_argument("--threshold", type=float, default=1e-2, help="Threshold magnitude")
+    parser.add_argument("--runs", nargs="+", metavar="RUN", help="a subset of the runs")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = parser.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 32 if args.task == "digits" else 16
+    if args.lr is None:
+        args.lr = 0.05 if args.task == "digits" else 3e-3
 
-    specs = run_specs(args.density, args.threshold)
+    script, metric, _, _, prefix = TASKS[args.task]
+    specs = run_specs(args.task, args.density, args.threshold, args.density_warmup)
     names = args.runs or list(specs)
     unknown = [name for name in names if name not in specs]
     if unknown:
@@ -181,29 +283,35 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         label, flags = specs[name]
-        log_json = out / f"{name}.jsonl"
+        log_json = out / f"{prefix}{name}.jsonl"
         print(f"{label}: running {args.steps} steps on {args.nproc} ranks ...", flush=True)
         seconds = torchrun(
             args.nproc,
-            HERE / "train_digits.py",
+            HERE / script,
             [*flags, *common, "--log-json", str(log_json)],
-            out / f"{name}.log",
+            out / f"{prefix}{name}.log",
             args.timeout,
         )
-        summary = summarize(read_json_log(log_json))
+        summary = summarize(read_json_log(log_json), metric)
         summary["label"] = label
+        summary["variant"], summary["density_index"] = name, 0
+        for index, density in enumerate(args.density):
+            if len(args.density) > 1 and name.endswith(f"-{density:g}"):
+                summary["variant"], summary["density_index"] = name[: -len(f"-{density:g}")], index
         rows.append((name, summary, seconds))
         print(
-            f"  test accuracy {100 * summary['final_accuracy']:.2f}%, "
+            f"  {metric} {_value(args.task, summary['final'])}, "
             f"{summary['mb_sent']:.2f} MB sent, {seconds:.0f} s",
             flush=True,
         )
 
-    table = write_table(rows, args, out / "results.md")
-    plot(rows, out / "compare.png")
+    table_path = out / ("results.md" if args.task == "digits" else "charlm.md")
+    out_name = out / ("compare.png" if args.task == "digits" else "charlm.png")
+    table = write_table(rows, args, table_path)
+    plot(rows, out_name, args.task)
     print()
     print(table)
-    print(f"wrote {out / 'results.md'} and {out / 'compare.png'}")
+    print(f"wrote {table_path} and {out_name}")
     return 0
 
 

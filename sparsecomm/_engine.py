@@ -20,6 +20,15 @@ untouched until the step is known to be good: a step refused on every rank (a Na
 somewhere) keeps the old residual exactly. A good step writes the average into the old
 residual's buffer, which becomes the next gradient buffer, and the other buffer becomes
 the residual: the two swap roles every step.
+
+Momentum correction (Deep Gradient Compression, Lin et al. 2018), when the engine has a
+``momentum``: each bucket also keeps a velocity ``u``. At launch the gradient buffer
+becomes ``u' = grad + momentum * u`` (a copy goes to the bucket's spare velocity buffer),
+and the residual accumulates ``u'`` instead of the gradient. At finish, a sparse message
+zeroes ``u'`` where this rank sent (momentum factor masking: a coordinate just sent
+starts its momentum afresh) and the two velocity buffers swap, as the residuals do; a
+message that sent the whole bucket (a dense or small-parameter bucket, a density-1 step)
+keeps ``u'`` whole, which is plain momentum. A refused step leaves ``u`` as it was.
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ class Bucket:
         used: per member, whether it had a gradient on this rank this step.
         pending: members not filled yet this step.
         exchange: the bucket's message in flight, once launched this step.
+        velocity: float32 momentum-correction velocity, or None without momentum
+            correction.
+        next_velocity: float32 scratch holding this step's velocity until finish.
     """
 
     positions: list[int] = field(default_factory=list)
@@ -72,6 +84,8 @@ class Bucket:
     used: list[bool] = field(default_factory=list)
     pending: int = 0
     exchange: Exchange | None = None
+    velocity: torch.Tensor | None = None
+    next_velocity: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -115,13 +129,15 @@ def build_buckets(
     cap_numel: int,
     min_compress_numel: int,
     keep_residual: bool,
+    keep_velocity: bool = False,
 ) -> list[Bucket]:
     """Pack parameters into buckets of at most ``cap_numel`` elements (a larger parameter
     gets a bucket of its own), walking them in reverse order: backward produces the last
     layers' gradients first, so a bucket of neighbours fills at about one time. Parameters
     with fewer than ``min_compress_numel`` elements go to separate, uncompressed buckets.
     Buckets are ordered by when their last gradient is expected (the member registered
-    first arrives last). Every rank packs the same parameters the same way."""
+    first arrives last). Every rank packs the same parameters the same way. With
+    ``keep_velocity``, every bucket gets momentum-correction velocity buffers."""
     cap_numel = min(cap_numel, MAX_BUCKET_NUMEL)
     buckets: list[Bucket] = []
     open_buckets: dict[tuple, Bucket] = {}
@@ -146,6 +162,9 @@ def build_buckets(
     buckets.sort(key=lambda b: -min(b.positions))
     for bucket in buckets:
         bucket.allocate(keep_residual and bucket.compressed)
+        if keep_velocity:
+            bucket.velocity = torch.zeros_like(bucket.grad_buffer)
+            bucket.next_velocity = torch.zeros_like(bucket.grad_buffer)
         bucket.reset()
     return buckets
 
@@ -165,7 +184,8 @@ class CompressGraphs:
     A bucket's compression is run eagerly the first time its key (the buffers it reads and
     writes, which swap every step, and the compressor's :meth:`graph_signature`) is seen,
     so that Triton compiles; captured the second time; replayed from then on. A key seen
-    once (a schedule changing ``k`` every step) is never captured. All graphs share one
+    once (a schedule changing ``k`` every step) is never captured, and a bucket's graphs
+    of an older signature are dropped when a new one comes. All graphs share one
     memory pool; they replay one after the other on one stream, so their scratch can
     overlap, and what they output stays allocated with them (their messages are kept). A
     message as large as the bucket (``Cast``'s) goes into one wire buffer per bucket
@@ -177,6 +197,7 @@ class CompressGraphs:
         self.seen: set[tuple] = set()
         self.pool = None
         self.wire_buffers: dict[int, torch.Tensor | None] = {}
+        self.signatures: dict[int, tuple] = {}  # per bucket, the signature of its graphs
         self.failed = False
         #: Compressions replayed from a graph (a counter for tests and benchmarks).
         self.replays = 0
@@ -187,7 +208,13 @@ class CompressGraphs:
     ) -> Message:  # fmt: skip
         """``compressor.compress(grad, residual, world_size)``, from a graph when one is
         captured. ``owner``: the bucket's index (whose wire buffer the graphs share)."""
-        key = (grad.data_ptr(), None if residual is None else residual.data_ptr(), signature)
+        key = (owner, grad.data_ptr(), None if residual is None else residual.data_ptr(), signature)
+        if self.signatures.get(owner, signature) != signature:
+            # A schedule moved on (a warm-up's k): this bucket's older graphs, and what they
+            # hold, go.
+            self.graphs = {k: v for k, v in self.graphs.items() if k[0] != owner}
+            self.seen = {k for k in self.seen if k[0] != owner}
+        self.signatures[owner] = signature
         entry = self.graphs.get(key)
         if entry is None and not self.failed and key in self.seen:  # about to capture
             return self._capture(compressor, grad, residual, world_size, key, owner)
@@ -234,17 +261,26 @@ class BucketEngine:
         buckets: from :func:`build_buckets`.
         compressor: what the compressed buckets send; small-parameter buckets send dense.
         comm: the process group's collectives.
+        momentum: the momentum-correction factor (None: no momentum correction; the
+            buckets must then have velocity buffers).
         cuda_graphs: replay the compression of CUDA buckets from CUDA graphs where the
             compressor allows it (:class:`CompressGraphs`).
     """
 
     def __init__(
-        self, buckets: list[Bucket], compressor: Compressor, comm: Communicator,
+        self,
+        buckets: list[Bucket],
+        compressor: Compressor,
+        comm: Communicator,
+        momentum: float | None = None,
         cuda_graphs: bool = True,
-    ):  # fmt: skip
+    ):
         self.buckets = buckets
         self.compressor = compressor
         self.comm = comm
+        self.momentum = momentum
+        #: Steps taken so far: the compressor's schedule reads it (``Compressor.at_step``).
+        self.step = 0
         #: CUDA graphs of the compression (None: never; see :class:`CompressGraphs`).
         self.graphs = CompressGraphs() if cuda_graphs else None
         self.member_of: dict[int, tuple[Bucket, int]] = {}
@@ -256,8 +292,8 @@ class BucketEngine:
         self.compress_seconds = 0.0
 
     def compressor_of(self, bucket: Bucket) -> Compressor:
-        """The bucket's compressor: small-parameter buckets send dense."""
-        return self.compressor if bucket.compressed else _DENSE
+        """The bucket's compressor this step: small-parameter buckets send dense."""
+        return self.compressor.at_step(self.step) if bucket.compressed else _DENSE
 
     # ---------------------------------------------------------------- fill
 
@@ -332,6 +368,11 @@ class BucketEngine:
     def _launch(self, bucket: Bucket) -> None:
         compressor = self.compressor_of(bucket)
         started = self.comm.clock(bucket.device)
+        if bucket.velocity is not None:
+            # u' = grad + momentum * u, in the gradient buffer (what is compressed) and in
+            # next_velocity (kept until finish); u itself stays as it was.
+            bucket.grad_buffer.add_(bucket.velocity, alpha=self.momentum)
+            bucket.next_velocity.copy_(bucket.grad_buffer)
         if bucket.residual is None:
             source, target = bucket.grad_buffer, None
         else:
@@ -390,8 +431,24 @@ class BucketEngine:
                     continue
                 view = bucket.grad_views[member]
                 param.grad = view if param.dtype == torch.float32 else view.to(param.dtype)
+            if bucket.velocity is not None:
+                self._commit_velocity(bucket, exchange.message, used)
             bucket.reset()
         self.next_launch = 0
+
+    def _commit_velocity(self, bucket: Bucket, message, used: list[bool]) -> None:
+        """Momentum factor masking, then make this step's velocity the current one.
+        Members no rank used keep their velocity (their gradient counted as absent)."""
+        velocity = bucket.next_velocity
+        if message.indices is not None:
+            count = message.known_count()
+            if count < message.numel:
+                velocity[message.indices[:count].long()] = 0.0
+        for member, position in enumerate(bucket.positions):
+            if not used[position]:
+                span = bucket.span(member)
+                velocity[span] = bucket.velocity[span]
+        bucket.velocity, bucket.next_velocity = velocity, bucket.velocity
 
     def abandon(self) -> None:
         """Wait for every bucket and drop the step: residuals stay as they were, and the

@@ -22,6 +22,9 @@ class StepStats:
         communicate_seconds: time spent inside collectives (``profile=True`` only).
         aggregate_seconds: time spent decoding and averaging what arrived (``profile=True``
             only).
+        scheduled_density: the density the compressor's schedule set for the step
+            (``TopK.density_at``; 1.0 for Dense and Cast, 0.0 for Threshold, whose density
+            follows the data). In ``total_stats``: the latest step's, not a sum.
     """
 
     bytes_sent: int = 0
@@ -33,6 +36,7 @@ class StepStats:
     compress_seconds: float = 0.0
     communicate_seconds: float = 0.0
     aggregate_seconds: float = 0.0
+    scheduled_density: float = 0.0
 
     @property
     def density(self) -> float:
@@ -51,4 +55,8 @@ class StepStats:
         return out
 
     def __add__(self, other: StepStats) -> StepStats:
-        return StepStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+        summed = {k: v + getattr(other, k) for k, v in asdict(self).items()}
+        summed["scheduled_density"] = (
+            other.scheduled_density if other.steps else self.scheduled_density
+        )
+        return StepStats(**summed)

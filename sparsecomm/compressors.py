@@ -160,6 +160,11 @@ class Compressor:
         out = torch.empty(message.numel, dtype=torch.float32, device=message.values.device)
         return self.finish(pending, out)
 
+    def at_step(self, step: int) -> Compressor:
+        """The compressor to use at 0-based ``step`` (``self`` unless it follows a
+        schedule, as a warmed-up :class:`TopK` does). A pure function of the step."""
+        return self
+
     def config(self) -> dict:
         """Plain-value description, compared across ranks and stored in checkpoints."""
         return {"name": type(self).__name__}
@@ -430,29 +435,109 @@ class TopK(_Sparse):
     SINGA: ``topKSparsAllReduce``, which sorts the whole bucket; sparsecomm selects exactly
     k without a sort.
 
+    A density warm-up makes the first ``warmup_steps`` steps send more. Its shape is
+    ``warmup``:
+
+    - ``"exponential"`` (the default shape, as in Deep Gradient Compression, Lin et al.
+      2018): the density starts at ``warmup_start`` and falls geometrically, reaching
+      ``density`` at step ``warmup_steps``: ``warmup_start * (density /
+      warmup_start) ** (step / warmup_steps)``.
+    - ``"dense"`` (as 1-bit Adam, Tang et al. 2021, warms up uncompressed): density 1 (the
+      whole bucket, sent as a dense all-reduce) for ``warmup_steps`` steps, then
+      ``density``.
+
+    The density is a pure function of the step count (:meth:`density_at`), which
+    :class:`sparsecomm.CompressedOptimizer` keeps in its ``state_dict``, so every rank
+    follows the same schedule without a collective, and a resumed run continues it.
+
     Args:
         density: the fraction of elements sent, in ``(0, 1]``. ``TopK(1.0)`` sends everything.
+        warmup_steps: steps of warm-up (default 0: ``density`` from the first step).
+        warmup: the warm-up's shape, ``"exponential"`` or ``"dense"``.
+        warmup_start: the density of the first exponential warm-up step, in ``[density,
+            1]`` (default 0.25, DGC's first stage).
 
     Example:
         >>> sparsecomm.TopK(density=0.01)
         TopK(density=0.01)
+        >>> sparsecomm.TopK(0.001, warmup_steps=100).density_at(50)  # sqrt(0.25 * 0.001)
+        0.015811388300841896
     """
 
-    def __init__(self, density: float):
+    WARMUP_SHAPES = ("exponential", "dense")
+
+    def __init__(
+        self,
+        density: float,
+        *,
+        warmup_steps: int = 0,
+        warmup: str = "exponential",
+        warmup_start: float = 0.25,
+    ):
         _require_real(density, "TopK(density=...)", "TopK(density=0.01) sends 1%")
         if not (0 < density <= 1):
             raise ValueError(
                 f"TopK(density={density}) is invalid: density is the fraction of elements "
                 "sent and must be in (0, 1]; for example TopK(density=0.01) sends 1%"
             )
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(
+                f"TopK(warmup_steps={warmup_steps!r}) is invalid: it must be an int >= 0 (steps "
+                "of density warm-up; 0: none)"
+            )
+        if warmup not in self.WARMUP_SHAPES:
+            raise ValueError(
+                f"TopK(warmup={warmup!r}) is invalid: the warm-up shape is 'exponential' "
+                "(DGC: from warmup_start down to density) or 'dense' (send everything first)"
+            )
+        _require_real(warmup_start, "TopK(warmup_start=...)", "warmup_start=0.25")
+        if warmup_steps and warmup == "exponential" and not (density <= warmup_start <= 1):
+            raise ValueError(
+                f"TopK(warmup_start={warmup_start}) is invalid: the warm-up starts at a density "
+                f"in [density, 1] = [{density}, 1] and decays to density"
+            )
         self.density = float(density)
+        self.warmup_steps = warmup_steps
+        self.warmup = warmup
+        self.warmup_start = float(warmup_start)
+        self._at: dict[int, TopK] = {}
 
     def config(self):
-        return {"name": "TopK", "density": self.density}
+        config = {"name": "TopK", "density": self.density}
+        if self.warmup_steps:
+            config.update(
+                warmup_steps=self.warmup_steps, warmup=self.warmup, warmup_start=self.warmup_start
+            )
+        return config
+
+    def __repr__(self):
+        if not self.warmup_steps:
+            return f"TopK(density={self.density})"
+        shape = "warmup='dense'" if self.warmup == "dense" else f"warmup_start={self.warmup_start}"
+        return f"TopK(density={self.density}, warmup_steps={self.warmup_steps}, {shape})"
+
+    def density_at(self, step: int) -> float:
+        """The density of 0-based ``step`` (``density`` once the warm-up is over)."""
+        if step >= self.warmup_steps:
+            return self.density
+        if self.warmup == "dense":
+            return 1.0
+        return self.warmup_start * (self.density / self.warmup_start) ** (step / self.warmup_steps)
+
+    def at_step(self, step: int) -> TopK:
+        if step >= self.warmup_steps:
+            return self
+        current = self._at.get(step)
+        if current is None:
+            if len(self._at) > 64:  # steps only move forward: keep a few
+                self._at.clear()
+            current = self._at[step] = TopK(self.density_at(step))
+        return current
 
     def k_for(self, numel: int) -> int:
         """``ceil(density * numel)``, with density read as the decimal it was written as
-        (so 0.07 of 100 is 7, not 8), and at least 1 (0 of an empty bucket)."""
+        (so 0.07 of 100 is 7, not 8), and at least 1 (0 of an empty bucket). The
+        density after the warm-up; see :meth:`at_step` for a given step's."""
         if numel == 0:
             return 0
         exact = Fraction(repr(self.density)) * numel

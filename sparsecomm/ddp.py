@@ -245,7 +245,7 @@ def _compressed_hook(state, bucket):
     if state.iteration < state.dense_iterations:
         compressor = _DENSE
     else:
-        compressor = state.compressor
+        compressor = state.compressor.at_step(state.iteration)  # a TopK warm-up's density
     grad = buffer if buffer.dtype == torch.float32 else buffer.float()
     residual = None
     if state.error_feedback and compressor.keeps_residual:

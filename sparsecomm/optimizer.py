@@ -18,7 +18,7 @@ import torch
 from ._comm import Communicator
 from ._engine import BucketEngine, build_buckets, cap_numel
 from ._stats import StepStats
-from .compressors import DENSE_ELEMENT_BYTES, Compressor
+from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
 
@@ -31,6 +31,8 @@ _KEYWORDS = (
     "min_compress_numel",
     "overlap",
     "profile",
+    "momentum_correction",
+    "exchange",
 )
 
 # GradScaler hands itself to an optimizer whose step() takes `grad_scaler`, with a
@@ -106,6 +108,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         cuda_graphs: on CUDA, replay each bucket's compression from a CUDA graph once it
             has run twice (default True; ``TopK`` and ``Cast``): one launch instead of a dozen
             from Python. Capturing synchronizes the device once per bucket and buffer.
+        momentum_correction: a momentum factor ``m`` in ``[0, 1)`` to apply before
+            compression, as Deep Gradient Compression (Lin et al. 2018) does for SGD with
+            momentum: each rank keeps a velocity ``u = m * u + grad`` per element, error
+            feedback accumulates ``u`` (not the gradient), and a coordinate sent in a
+            sparse message has its ``u`` zeroed (momentum factor masking). The wrapped
+            optimizer must then be ``torch.optim.SGD`` with ``momentum=0``: the momentum
+            lives here instead. Default ``None``: off.
+        exchange: what is compressed and averaged. ``"gradients"`` (default): each rank's
+            gradient; the wrapped optimizer steps on the average. ``"updates"``: each rank
+            first steps the wrapped optimizer on its own gradient, and the update it made
+            (new parameters minus old) is compressed with error feedback, averaged, and
+            applied on every rank. The wrapped optimizer's state (Adam's moments) is then
+            per rank, built from that rank's gradients; an adaptive optimizer's update is
+            the same size for every coordinate, so error feedback delays it without
+            shrinking it. No overlap with backward (the update exists only after it), one
+            more small all-reduce per step (to refuse a non-finite gradient before the
+            wrapped optimizer steps; a non-finite *update* from finite gradients is
+            refused too, but the wrapped optimizer has then stepped), no ``GradScaler``.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -138,6 +158,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         profile: bool = False,
         cuda_graphs: bool = True,
+        momentum_correction: float | None = None,
+        exchange: str = "gradients",
         **unexpected: Any,
     ):
         self._comm = Communicator(process_group)
@@ -146,6 +168,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel,
                 overlap, unexpected,
             )
+            or _check_momentum_correction(optimizer, momentum_correction)
+            or _check_exchange(exchange, momentum_correction)
         )  # fmt: skip
         self.optimizer = optimizer
         self.compressor = compressor
@@ -155,6 +179,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.overlap = bool(overlap)
         self.profile = bool(profile)
         self.cuda_graphs = bool(cuda_graphs)
+        self.momentum_correction = (
+            None if momentum_correction is None else float(momentum_correction)
+        )
+        self.exchange = exchange
+        self._steps_taken = 0  # steps not skipped: the compressor's schedule reads it
         self._comm.timed = self.profile
         self._ready = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -200,16 +229,31 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def residual(self, param: torch.Tensor) -> torch.Tensor:
         """What ``param``'s gradient has not sent yet: a float32 tensor shaped like ``param``
         (a copy; zeros when the parameter keeps no residual)."""
+        return self._piece_of(param, "residual")
+
+    def velocity(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s momentum-correction velocity (a float32 copy shaped like ``param``;
+        zeros without ``momentum_correction``)."""
+        return self._piece_of(param, "velocity")
+
+    def _piece_of(self, param: torch.Tensor, buffer: str) -> torch.Tensor:
         entry = self._engine.member_of.get(id(param))
         if entry is None:
             raise ValueError(
-                "residual(param): this tensor is not a parameter of the wrapped optimizer (or "
+                f"{buffer}(param): this tensor is not a parameter of the wrapped optimizer (or "
                 "does not require grad); pass one of the tensors in opt.param_groups"
             )
         bucket, member = entry
-        if bucket.residual is None:
+        flat = getattr(bucket, buffer)
+        if flat is None:
             return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        return bucket.view(bucket.residual, member).clone()
+        return bucket.view(flat, member).clone()
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps taken (skipped and refused steps not counted): the step a compressor's
+        schedule is at, e.g. a :class:`TopK` density warm-up."""
+        return self._steps_taken
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -239,6 +283,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         Collective: every rank must call it. Raises :class:`NonFiniteGradientError` as
         ``step()`` does (the step is then dropped on every rank)."""
+        if self.exchange == "updates":
+            raise RuntimeError(
+                "synchronize() exchanges gradients; with exchange='updates' the exchange "
+                "happens inside step(), after the wrapped optimizer has stepped"
+            )
         self._synchronize(grad_scaler=None)
         if self._refusal is not None:
             refusal = self._refusal
@@ -263,6 +312,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.exchange == "updates":
+            self._step_updates(grad_scaler)
+            return loss
         if grad_scaler is not None:
             self._scaler_seen = True
             if self._synchronized and self._step_stats.steps:
@@ -288,6 +340,44 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
 
+    def _step_updates(self, grad_scaler) -> None:
+        """``exchange="updates"``: agree that every gradient is finite, step the wrapped
+        optimizer on this rank's gradient, exchange the update it made (compressed, with
+        error feedback) and apply the average."""
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "exchange='updates' does not work under torch.amp.GradScaler (the wrapped "
+                "optimizer steps before the ranks' scalers could agree); use the default "
+                "exchange='gradients'"
+            )
+        params = [p for p in self._params if p.grad is not None]
+        device = self._engine.buckets[0].device if self._engine.buckets else torch.device("cpu")
+        flags = torch.zeros(self.world_size, device=device)
+        if params:  # one flag on the device, then the step's one extra host sync
+            finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
+            flags[self.rank] = (~finite.all()).float()
+        if self._comm.distributed:
+            flags = self._comm.all_reduce_(flags, op="max")
+        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        if bad_ranks:
+            self._step_stats = StepStats(steps=1)
+            self._finish_step(skipped=True)
+            raise NonFiniteGradientError(bad_ranks)
+        before = [p.detach().clone() for p in params]
+        self.optimizer.step()
+        for param, old in zip(params, before):
+            torch.sub(old, param, out=param.grad)  # the update, as a gradient: old - new
+            param.copy_(old)
+        self._synchronize(grad_scaler=None)
+        if self._bad_ranks:  # finite gradients, non-finite update: nothing is applied
+            bad_ranks = self._bad_ranks
+            self._finish_step(skipped=True)
+            raise NonFiniteGradientError(bad_ranks)
+        self._finish_step(skipped=False)
+        for param in self._params:
+            if param.grad is not None:
+                param.sub_(param.grad)
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must call
         it with the same parameters). Residuals of the existing parameters are kept. The
@@ -300,9 +390,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         new_params, error = _group_params(param_group, self._params)
         if error is None:
             error = _check_params(new_params, start)
+        if error is None and self.momentum_correction is not None:
+            error = _check_group_momentum(param_group, self.optimizer)
         self._raise_agreed(error)
         self._agree_on_model(new_params, start=start)
         residuals = self._residuals_by_position()
+        velocities = self._velocities_by_position()
         # The list, not the caller's iterator, which reading it has used up.
         self.optimizer.add_param_group({**param_group, "params": new_params})
         self._params = self._all_params()
@@ -310,6 +403,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
         self._load_residuals(residuals)
+        self._load_velocities(velocities)
         self._register_hooks(self._params[start:])
 
     def state_dict(self) -> dict[str, Any]:
@@ -328,6 +422,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "shapes": [list(p.shape) for p in self._params],
                 "residuals": self._residuals_by_position(),
                 "total_stats": self.total_stats.as_dict(),
+                "steps_taken": self._steps_taken,
+                "momentum_correction": self.momentum_correction,
+                "velocities": self._velocities_by_position(),
+                "exchange": self.exchange,
             },
         }
 
@@ -338,6 +436,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         dtype or with NaN/Inf, raise ``ValueError`` naming what differs, and nothing is
         changed."""
         ours = self._check_state(state_dict)
+        self._check_schedule_state(ours)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
         # torch.optim.Optimizer.load_state_dict builds new group and state containers.
         self.param_groups = self.optimizer.param_groups
@@ -346,6 +445,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
         self.total_stats = StepStats(**{k: v for k, v in saved_stats.items() if k in fields})
+        self._steps_taken = int(ours.get("steps_taken", 0))
+        self._engine.step = self._steps_taken
+        self._load_velocities(ours.get("velocities") or [])
 
     def __repr__(self) -> str:
         return (
@@ -416,6 +518,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             stats.skipped_steps = 1
         self.last_stats = stats
         self.total_stats = self.total_stats + stats
+        if not skipped:
+            self._steps_taken += 1
+            self._engine.step = self._steps_taken
         self._synchronized = False
         self._refusal = None
         self._step_stats = StepStats()
@@ -425,6 +530,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _sent_stats(self) -> StepStats:
         stats = StepStats(steps=1, elements=sum(b.numel for b in self._engine.buckets))
         stats.dense_bytes = DENSE_ELEMENT_BYTES * stats.elements
+        stats.scheduled_density = _scheduled_density(self.compressor, self._steps_taken)
         for bucket in self._engine.buckets:
             exchange = bucket.exchange
             stats.bytes_sent += exchange.message.wire_bytes
@@ -482,11 +588,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
             cap_numel=cap_numel(self.bucket_cap_mb, DENSE_ELEMENT_BYTES),
             min_compress_numel=self.min_compress_numel,
             keep_residual=self.error_feedback and self.compressor.keeps_residual,
+            keep_velocity=self.momentum_correction is not None,
         )
         # Profiling times each bucket's kernels apart, which a graph would merge.
-        return BucketEngine(
-            buckets, self.compressor, self._comm, cuda_graphs=self.cuda_graphs and not self.profile
-        )
+        engine = BucketEngine(
+            buckets, self.compressor, self._comm, self.momentum_correction,
+            cuda_graphs=self.cuda_graphs and not self.profile,
+        )  # fmt: skip
+        engine.step = self._steps_taken
+        return engine
 
     def _register_hooks(self, params: list[torch.Tensor]) -> None:
         me = weakref.ref(self)
@@ -502,25 +612,87 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _residuals_by_position(self) -> list[torch.Tensor | None]:
-        residuals: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket in self._engine.buckets:
-            if bucket.residual is None:
-                continue
-            for member, position in enumerate(bucket.positions):
-                residuals[position] = bucket.view(bucket.residual, member).clone()
-        return residuals
+        return self._by_position("residual")
 
     def _load_residuals(self, residuals: list[torch.Tensor | None]) -> None:
+        self._load_by_position("residual", residuals)
+
+    def _velocities_by_position(self) -> list[torch.Tensor | None]:
+        return self._by_position("velocity")
+
+    def _load_velocities(self, velocities: list[torch.Tensor | None]) -> None:
+        self._load_by_position("velocity", velocities)
+
+    def _by_position(self, buffer: str) -> list[torch.Tensor | None]:
+        """Per parameter position, a copy of its piece of each bucket's ``buffer``
+        (``"residual"`` or ``"velocity"``); None where its bucket keeps none."""
+        pieces: list[torch.Tensor | None] = [None] * len(self._params)
         for bucket in self._engine.buckets:
-            if bucket.residual is None:
+            flat = getattr(bucket, buffer)
+            if flat is None:
                 continue
             for member, position in enumerate(bucket.positions):
-                saved = residuals[position] if position < len(residuals) else None
-                target = bucket.residual[bucket.span(member)]
+                pieces[position] = bucket.view(flat, member).clone()
+        return pieces
+
+    def _load_by_position(self, buffer: str, pieces: list[torch.Tensor | None]) -> None:
+        """The inverse of ``_by_position``; a missing piece loads as zeros."""
+        for bucket in self._engine.buckets:
+            flat = getattr(bucket, buffer)
+            if flat is None:
+                continue
+            for member, position in enumerate(bucket.positions):
+                saved = pieces[position] if position < len(pieces) else None
+                target = flat[bucket.span(member)]
                 if saved is None:
                     target.zero_()
                 else:
                     target.copy_(saved.reshape(-1))
+
+    def _check_schedule_state(self, ours: dict) -> None:
+        """Validate the step count and momentum-correction velocities of a state dict's
+        sparsecomm section (after ``_check_state``, before anything is loaded)."""
+
+        def refuse(what: str) -> ValueError:
+            return ValueError(f"load_state_dict: {what}")
+
+        steps = ours.get("steps_taken", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise refuse(f"'steps_taken' must be an int >= 0, got {steps!r}")
+        saved = ours.get("exchange", "gradients")
+        if saved != self.exchange:
+            raise refuse(
+                f"saved with exchange={saved!r}, this optimizer has exchange={self.exchange!r}"
+            )
+        saved = ours.get("momentum_correction")
+        if saved != self.momentum_correction:
+            raise refuse(
+                f"saved with momentum_correction={saved}, this optimizer has "
+                f"momentum_correction={self.momentum_correction}"
+            )
+        velocities = ours.get("velocities") or []
+        if self.momentum_correction is None:
+            if any(v is not None for v in velocities):
+                raise refuse("velocities are saved, but this optimizer keeps none")
+            return
+        if not isinstance(velocities, (list, tuple)) or len(velocities) != len(self._params):
+            count = len(velocities) if isinstance(velocities, (list, tuple)) else velocities
+            raise refuse(
+                f"'velocities' must be a list of {len(self._params)} entries (one per "
+                f"parameter), got {count!r}"
+            )
+        for position, (saved, param) in enumerate(zip(velocities, self._params)):
+            if saved is None:
+                continue
+            if not torch.is_tensor(saved):
+                raise refuse(f"velocity {position} is a {type(saved).__name__}, not a tensor")
+            if saved.dtype != torch.float32 or list(saved.shape) != list(param.shape):
+                raise refuse(
+                    f"velocity {position} is {str(saved.dtype).replace('torch.', '')} "
+                    f"{tuple(saved.shape)}; expected float32 {tuple(param.shape)}"
+                )
+            if not bool(torch.isfinite(saved).all()):
+                raise refuse(f"velocity {position} holds NaN or Inf; the checkpoint is corrupt")
 
     def _raise_agreed(self, error: Exception | None) -> None:
         """Raise ``error`` on every rank if any rank has one (the first such rank's, so
@@ -546,6 +718,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self.bucket_cap_mb,
                 self.min_compress_numel,
                 self.overlap,
+                self.momentum_correction,
+                self.exchange,
             ],
             "params": [
                 [list(p.shape), str(p.dtype), p.requires_grad, p.device.type] for p in params
@@ -558,8 +732,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"ranks disagree on settings: rank 0 has {first['settings']}, rank {rank} "
                     f"has {theirs['settings']} ([compressor, error_feedback, bucket_cap_mb, "
-                    "min_compress_numel, overlap]); construct CompressedOptimizer with the "
-                    "same arguments on every rank"
+                    "min_compress_numel, overlap, momentum_correction, exchange]); construct "
+                    "CompressedOptimizer with the same arguments on every rank"
                 )
             if theirs["params"] != first["params"]:
                 detail = _first_difference(first["params"], theirs["params"], start, rank)
@@ -705,6 +879,64 @@ def _check_params(params: list, start: int) -> Exception | None:
                 "materialize the model first (e.g. model.to_empty(device=...) and initialize "
                 "it) and then wrap its optimizer"
             )
+    return None
+
+
+def _scheduled_density(compressor: Compressor, step: int) -> float:
+    """What ``StepStats.scheduled_density`` reports for ``step``."""
+    current = compressor.at_step(step)
+    if isinstance(current, TopK):
+        return current.density
+    return 0.0 if isinstance(current, Threshold) else 1.0
+
+
+def _check_exchange(exchange, momentum_correction) -> Exception | None:
+    if exchange not in ("gradients", "updates"):
+        return ValueError(
+            f"exchange must be 'gradients' (average the gradients, then step) or 'updates' "
+            f"(step on each rank, average the updates), got {exchange!r}"
+        )
+    if exchange == "updates" and momentum_correction is not None:
+        return ValueError(
+            "momentum_correction works on gradients; with exchange='updates' the wrapped "
+            "optimizer's own momentum runs on each rank before compression already"
+        )
+    return None
+
+
+def _check_momentum_correction(optimizer, momentum_correction) -> Exception | None:
+    """The first problem with ``momentum_correction`` and the optimizer it goes with."""
+    if momentum_correction is None:
+        return None
+    if (
+        isinstance(momentum_correction, bool)
+        or not isinstance(momentum_correction, (int, float))
+        or not 0 <= momentum_correction < 1
+    ):
+        return ValueError(
+            f"momentum_correction must be None or a momentum factor in [0, 1), got "
+            f"{momentum_correction!r}; for example momentum_correction=0.9"
+        )
+    if not isinstance(optimizer, torch.optim.SGD):
+        return TypeError(
+            "momentum_correction applies SGD momentum before compression, so the wrapped "
+            f"optimizer must be torch.optim.SGD (with momentum=0), got {type(optimizer).__name__}"
+        )
+    for group in optimizer.param_groups:
+        error = _check_group_momentum(group, optimizer)
+        if error is not None:
+            return error
+    return None
+
+
+def _check_group_momentum(group: dict, optimizer) -> Exception | None:
+    momentum = group.get("momentum", optimizer.defaults.get("momentum", 0))
+    if momentum:
+        return ValueError(
+            f"momentum_correction keeps the momentum itself, but the wrapped SGD has "
+            f"momentum={momentum} in a parameter group, which would apply it twice; build "
+            "torch.optim.SGD(..., momentum=0) and pass the factor as momentum_correction"
+        )
     return None
 
 

@@ -29,7 +29,9 @@ def make_model(seed: int, hidden: int = HIDDEN) -> torch.nn.Module:
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    if name == "adamw":
+    if name == "dgc":  # the momentum lives in the wrapper (see wrap)
+        return torch.optim.SGD(params, lr=0.05)
+    if name in ("adamw", "adamw-updates"):  # the second with exchange="updates" (see wrap)
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     raise ValueError(name)
 
@@ -59,6 +61,8 @@ def wrap(model, compressor, optimizer="sgd", **kwargs):
         make_optimizer(optimizer, model.parameters()),
         compressor=compressor,
         bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # ~2600 elements: several buckets
+        momentum_correction=0.9 if optimizer == "dgc" else None,
+        exchange="updates" if optimizer == "adamw-updates" else "gradients",
         **kwargs,
     )
 

@@ -125,8 +125,18 @@ def test_charlm_reports_validation_loss():
             "--lr",
             "3e-3",
         ],  # AdamW moments + padded Threshold exchange
+        # Checkpoint at step 8 in the middle of a 16-step density warm-up, with DGC velocities.
+        [
+            "--compressor",
+            "topk",
+            "--density",
+            "0.01",
+            "--density-warmup",
+            "16",
+            "--momentum-correction",
+        ],
     ],
-    ids=["topk-sgd", "threshold-adamw"],
+    ids=["topk-sgd", "threshold-adamw", "topk-warmup-dgc"],
 )
 def test_killed_and_resumed_run_matches_uninterrupted_bitwise(tmp_path, flags):
     steps = ["--steps", "24", "--eval-every", "8"]
@@ -221,29 +231,21 @@ def test_resume_refuses_other_settings(tmp_path):
     assert common.load_checkpoint(str(tmp_path / "empty"), None, None, saved, 0, 2) == 0
 
 
-def test_compare_writes_plot_and_table(tmp_path):
-    pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
-    out = tmp_path / "compare"
+def run_compare(out: Path, *flags: str) -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "compare.py"),
-            "--out",
-            str(out),
-            "--steps",
-            "6",
-            "--eval-every",
-            "3",
-            "--runs",
-            "dense",
-            "topk-ef",
-        ],
+        [sys.executable, str(EXAMPLES / "compare.py"), "--out", str(out), *flags],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=2 * TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+
+def test_compare_writes_plot_and_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
+    out = tmp_path / "compare"
+    run_compare(out, "--steps", "6", "--eval-every", "3", "--runs", "dense", "topk-ef")
     assert (out / "compare.png").stat().st_size > 10_000
     table = (out / "results.md").read_text()
     assert "| Dense fp32 |" in table and "| TopK(0.01) + EF |" in table
@@ -265,3 +267,24 @@ def test_accumulate_sends_once_per_step_and_keeps_ranks_in_sync():
     assert sent.search(accumulated.stdout).group(2) == "6"
     # ... and they trained on other data (micro-batches 0..17, not 0..5).
     assert checksum(accumulated) != checksum(single)
+
+
+def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
+    pytest.importorskip("matplotlib", reason="compare.py plots with matplotlib")
+    out = tmp_path / "compare"
+    run_compare(
+        out,
+        *("--task", "charlm", "--steps", "4", "--eval-every", "2"),
+        *("--density", "0.01", "0.001", "--density-warmup", "2"),
+        *("--runs", "dense", "topk-updates-warmup-0.001"),
+    )
+    assert (out / "charlm.png").stat().st_size > 10_000
+    assert not (out / "results.md").exists()  # the digits table is left alone
+    table = (out / "charlm.md").read_text()
+    assert "val bits per byte" in table and "AdamW" in table
+    row = next(line for line in table.splitlines() if line.startswith("| TopK(0.001)"))
+    assert "updates, exp. warm-up 2 (d+b)" in row
+    log = (out / "charlm-topk-updates-warmup-0.001.jsonl").read_text().splitlines()
+    config = next(json.loads(line) for line in log if '"config"' in line)
+    assert config["exchange"] == "updates" and config["density_warmup"] == 2
+    assert "warmup_steps=2" in config["compressor"]

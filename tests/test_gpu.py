@@ -163,10 +163,15 @@ def test_cuda_ddp_hook_runs_on_nccl(tmp_path):
         dist.destroy_process_group()
 
 
-GRAPHED = [sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16), sparsecomm.Cast()]
+GRAPHED = [
+    sparsecomm.TopK(0.05),
+    sparsecomm.TopK(0.05, warmup_steps=4),  # k changes for 4 steps: graphs come after
+    sparsecomm.Cast(torch.bfloat16),
+    sparsecomm.Cast(),
+]
 
 
-def _train_graphed_cuda(compressor, cuda_graphs: bool, steps: int = 8, nan_at=None):
+def _train_graphed_cuda(compressor, cuda_graphs: bool, steps: int = 12, nan_at=None):
     model = _workers.make_model(seed=0).cuda()
     opt = sparsecomm.CompressedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -212,5 +217,30 @@ def test_cuda_graphs_refuse_a_nan_step_like_eager_compression(compressor):
     eager, _, refused_eager = _train_graphed_cuda(compressor, cuda_graphs=False, nan_at=5)
     graphed, opt, refused_graphed = _train_graphed_cuda(compressor, cuda_graphs=True, nan_at=5)
     assert refused_eager == refused_graphed == [5]
+    assert opt._engine.graphs.replays > 0
+    assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))
+
+
+def _train_momentum_corrected_cuda(cuda_graphs: bool, steps: int = 10):
+    model = _workers.make_model(seed=0).cuda()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        sparsecomm.TopK(0.05, warmup_steps=3),
+        bucket_cap_mb=0.01,
+        min_compress_numel=0,
+        momentum_correction=0.9,
+        cuda_graphs=cuda_graphs,
+    )
+    for step in range(steps):
+        x, y = (t.cuda() for t in _workers.batch(0, step))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _workers.flat_params(model).cpu(), opt
+
+
+def test_cuda_graphs_with_momentum_correction_and_warm_up_give_eager_bits():
+    eager, _ = _train_momentum_corrected_cuda(cuda_graphs=False)
+    graphed, opt = _train_momentum_corrected_cuda(cuda_graphs=True)
     assert opt._engine.graphs.replays > 0
     assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))

@@ -1,0 +1,370 @@
+"""The training recipes: TopK's density warm-up, DGC momentum correction
+(``momentum_correction``) and ``exchange="updates"``, on one process and on two gloo ranks:
+the schedule's shape, what each step sends, conservation of what is sent plus what is kept,
+refused steps, checkpoints and rank agreement."""
+
+import copy
+
+import _workers
+import pytest
+import torch
+from _dist import run_ranks
+
+import sparsecomm
+
+
+def model_of(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.ReLU(), torch.nn.Linear(50, 3))
+
+
+def step_on(model, opt, step):
+    gen = torch.Generator().manual_seed(step)
+    model(torch.randn(8, 40, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def dgc(model, compressor, **kwargs):
+    return sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        compressor,
+        **{"momentum_correction": 0.9, **kwargs},
+    )
+
+
+# ------------------------------------------------------------------ the schedule
+
+
+def test_exponential_warmup_starts_at_warmup_start_and_decays_to_density():
+    topk = sparsecomm.TopK(0.001, warmup_steps=40, warmup_start=0.25)
+    densities = [topk.density_at(s) for s in range(60)]
+    assert densities[0] == 0.25
+    assert all(a > b for a, b in zip(densities[:40], densities[1:41]))  # strictly falling
+    assert densities[40:] == [0.001] * 20
+    # Geometric: equal ratios, and the middle is the geometric mean of the ends.
+    assert densities[20] == pytest.approx((0.25 * 0.001) ** 0.5, rel=1e-12)
+    assert densities[1] / densities[0] == pytest.approx(densities[31] / densities[30], rel=1e-9)
+
+
+def test_dense_warmup_sends_everything_then_density():
+    topk = sparsecomm.TopK(0.01, warmup_steps=5, warmup="dense")
+    assert [topk.density_at(s) for s in range(7)] == [1.0] * 5 + [0.01] * 2
+    assert topk.at_step(7) is topk
+    assert topk.at_step(2).k_for(1000) == 1000
+
+
+def test_without_warmup_the_schedule_is_constant_and_config_unchanged():
+    topk = sparsecomm.TopK(0.01)
+    assert topk.density_at(0) == 0.01 and topk.at_step(0) is topk
+    assert topk.config() == {"name": "TopK", "density": 0.01}  # old checkpoints still load
+    warmed = sparsecomm.TopK(0.01, warmup_steps=10)
+    assert warmed != topk and warmed.config()["warmup_steps"] == 10
+    assert repr(warmed) == "TopK(density=0.01, warmup_steps=10, warmup_start=0.25)"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"warmup_steps": -1}, ValueError, ["warmup_steps=-1", ">= 0"]),
+        ({"warmup_steps": 2.5}, ValueError, ["warmup_steps=2.5", "int"]),
+        ({"warmup_steps": 5, "warmup": "linear"}, ValueError, ["'linear'", "exponential"]),
+        ({"warmup_steps": 5, "warmup_start": 0.001}, ValueError, ["warmup_start=0.001", "[0.01"]),
+        ({"warmup_steps": 5, "warmup_start": "x"}, TypeError, ["warmup_start", "float"]),
+    ],
+)
+def test_bad_warmup_arguments_are_named(kwargs, error, words):
+    with pytest.raises(error) as caught:
+        sparsecomm.TopK(0.01, **kwargs)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_each_step_sends_what_the_schedule_says_and_stats_show_it():
+    model = model_of()
+    topk = sparsecomm.TopK(0.01, warmup_steps=6)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), topk, min_compress_numel=0
+    )
+    numel = sum(p.numel() for p in model.parameters())  # one bucket
+    for step in range(9):
+        step_on(model, opt, step)
+        stats = opt.last_stats
+        assert stats.scheduled_density == topk.density_at(step)
+        assert stats.elements_sent == topk.at_step(step).k_for(numel), step
+        assert opt.steps_taken == step + 1
+    assert opt.total_stats.scheduled_density == 0.01  # the latest, not a sum
+    assert opt.total_stats.elements_sent > 9 * topk.k_for(numel)
+
+
+def test_dense_warmup_steps_match_dense_bitwise():
+    a, b = model_of(), model_of()
+    dense = sparsecomm.CompressedOptimizer(torch.optim.AdamW(a.parameters()), sparsecomm.Dense())
+    warm = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(b.parameters()), sparsecomm.TopK(0.01, warmup_steps=4, warmup="dense")
+    )
+    for step in range(4):
+        step_on(a, dense, step)
+        step_on(b, warm, step)
+        assert warm.last_stats.density == 1.0
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(warm.residual(b[0].weight), torch.zeros(50, 40))
+    step_on(b, warm, 4)
+    assert warm.last_stats.elements_sent == 20 + 203  # 1% of 2000, and the small ones whole
+
+
+def test_schedule_position_is_checkpointed_and_refused_steps_do_not_advance_it():
+    model = model_of()
+    topk = sparsecomm.TopK(0.01, warmup_steps=10)
+    opt = sparsecomm.CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), topk)
+    for step in range(3):
+        step_on(model, opt, step)
+    model[0].weight.grad = torch.full_like(model[0].weight, float("nan"))
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    opt.zero_grad()
+    assert opt.steps_taken == 3
+    state = opt.state_dict()
+    assert state["sparsecomm"]["steps_taken"] == 3
+    fresh = sparsecomm.CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), topk)
+    fresh.load_state_dict(state)
+    step_on(model, fresh, 3)
+    assert fresh.last_stats.scheduled_density == topk.density_at(3)
+    state["sparsecomm"]["steps_taken"] = -1
+    with pytest.raises(ValueError, match="steps_taken"):
+        fresh.load_state_dict(state)
+    assert fresh.steps_taken == 4
+
+
+# ------------------------------------------------------------------ momentum correction
+
+
+def test_momentum_correction_conserves_velocity_and_masks_what_was_sent():
+    """Per step on one rank: sent + new residual = old residual + (grad + m * old velocity),
+    bit for bit, and the new velocity is that sum's velocity part with the sent
+    coordinates zeroed."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(2000))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD([param], lr=0.0), sparsecomm.TopK(0.02), momentum_correction=0.9
+    )
+    sent_before = torch.zeros(2000, dtype=torch.bool)
+    for _ in range(6):
+        grad = torch.randn(2000)
+        residual, velocity = opt.residual(param), opt.velocity(param)
+        (param * grad).sum().backward()
+        opt.step()
+        new_velocity = torch.add(grad, velocity, alpha=0.9)
+        sent = param.grad != 0
+        assert int(sent.sum()) == 40
+        assert torch.equal(param.grad + opt.residual(param), residual + new_velocity)
+        assert torch.equal(opt.velocity(param), torch.where(sent, 0.0, new_velocity))
+        assert torch.equal(opt.residual(param)[sent], torch.zeros(40))
+        sent_before |= sent
+        opt.zero_grad()
+    assert opt.velocity(param).abs().sum() > 0
+
+
+def test_momentum_correction_at_full_density_is_sgd_momentum():
+    a, b = model_of(), model_of()
+    plain = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9), sparsecomm.Dense()
+    )
+    corrected = dgc(b, sparsecomm.Dense())
+    for step in range(8):
+        step_on(a, plain, step)
+        step_on(b, corrected, step)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(a[0].weight, model_of()[0].weight)
+
+
+def test_momentum_correction_refused_step_changes_nothing():
+    model = model_of()
+    opt = dgc(model, sparsecomm.TopK(0.05))
+    for step in range(3):
+        step_on(model, opt, step)
+    velocities = [opt.velocity(p) for p in model.parameters()]
+    residuals = [opt.residual(p) for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    # During backward, which sends the buckets: a small parameter, sent dense.
+    handle = model[2].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    handle.remove()
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    for p, v, r, before in zip(model.parameters(), velocities, residuals, params):
+        assert torch.equal(opt.velocity(p), v)
+        assert torch.equal(opt.residual(p), r)
+        assert torch.equal(p, before)
+
+
+def test_momentum_correction_checkpoint_round_trip_and_validation():
+    model = model_of()
+    opt = dgc(model, sparsecomm.TopK(0.05))
+    for step in range(3):
+        step_on(model, opt, step)
+    state = opt.state_dict()
+    assert len(state["sparsecomm"]["velocities"]) == 4
+    fresh = dgc(model, sparsecomm.TopK(0.05))
+    fresh.load_state_dict(state)
+    for p in model.parameters():
+        assert torch.equal(fresh.velocity(p), opt.velocity(p))
+        assert fresh.velocity(p).abs().sum() > 0
+    bad = {**state, "sparsecomm": {**state["sparsecomm"]}}
+    bad["sparsecomm"]["velocities"] = list(state["sparsecomm"]["velocities"])
+    bad["sparsecomm"]["velocities"][0] = torch.full((50, 40), float("nan"))
+    other = dgc(model, sparsecomm.TopK(0.05))
+    with pytest.raises(ValueError, match="velocity 0 holds NaN"):
+        other.load_state_dict(bad)
+    bad["sparsecomm"]["velocities"][0] = torch.zeros(3)
+    with pytest.raises(ValueError, match="velocity 0 is float32"):
+        other.load_state_dict(bad)
+    assert torch.equal(other.velocity(model[0].weight), torch.zeros(50, 40))  # unchanged
+    plain = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), sparsecomm.TopK(0.05)
+    )
+    with pytest.raises(ValueError, match="momentum_correction=0.9"):
+        plain.load_state_dict(state)
+
+
+def test_momentum_correction_arguments_are_checked():
+    model = model_of()
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        dgc(model, sparsecomm.TopK(0.05), momentum_correction=1.5)
+    with pytest.raises(TypeError, match="torch.optim.SGD"):
+        sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), momentum_correction=0.9
+        )
+    with pytest.raises(ValueError, match="apply it twice"):
+        sparsecomm.CompressedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            sparsecomm.TopK(0.05),
+            momentum_correction=0.9,
+        )
+    opt = dgc(model, sparsecomm.TopK(0.05))
+    extra = torch.nn.Linear(40, 30)
+    with pytest.raises(ValueError, match="apply it twice"):
+        opt.add_param_group({"params": extra.parameters(), "momentum": 0.5})
+    assert len(opt.param_groups) == 1
+
+
+def test_add_param_group_keeps_velocities():
+    model = model_of()
+    opt = dgc(model, sparsecomm.TopK(0.05), min_compress_numel=0)
+    for step in range(2):
+        step_on(model, opt, step)
+    before = opt.velocity(model[0].weight)
+    extra = torch.nn.Linear(40, 30)
+    opt.add_param_group({"params": extra.parameters()})
+    assert torch.equal(opt.velocity(model[0].weight), before)
+    assert torch.equal(opt.velocity(extra.weight), torch.zeros(30, 40))
+
+
+# ------------------------------------------------------------------ exchange="updates"
+
+
+def test_updates_with_dense_is_the_plain_optimizer():
+    a, b = model_of(), model_of()
+    plain = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    wrapped = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(b.parameters(), lr=1e-2), sparsecomm.Dense(), exchange="updates"
+    )
+    for step in range(6):
+        step_on(a, plain, step)
+        step_on(b, wrapped, step)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert not torch.equal(a[0].weight, model_of()[0].weight)
+
+
+def test_updates_conserve_the_local_update():
+    """Per step on one rank: sent + new residual = old residual + the update the wrapped
+    AdamW made from this rank's gradient, bit for bit; the parameter moves by what was sent."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(2000))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW([param], lr=1e-2), sparsecomm.TopK(0.02), exchange="updates"
+    )
+    twin = torch.nn.Parameter(torch.zeros(2000))
+    twin_opt = torch.optim.AdamW([twin], lr=1e-2)
+    for _ in range(5):
+        grad = torch.randn(2000)
+        residual, old = opt.residual(param), param.detach().clone()
+        twin_opt.load_state_dict(copy.deepcopy(opt.optimizer.state_dict()))  # no aliasing
+        with torch.no_grad():
+            twin.copy_(old)
+        twin.grad = grad.clone()
+        twin_opt.step()
+        update = torch.sub(old, twin.detach())
+        (param * grad).sum().backward()
+        opt.step()
+        sent = param.grad != 0
+        assert int(sent.sum()) == 40
+        assert torch.equal(param.grad + opt.residual(param), residual + update)
+        assert torch.equal(param.detach(), old - param.grad)
+        opt.zero_grad()
+
+
+def test_updates_refuse_a_nonfinite_gradient_before_the_wrapped_optimizer_steps():
+    model = model_of()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="updates"
+    )
+    for step in range(2):
+        step_on(model, opt, step)
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = opt.optimizer.state[model[0].weight]["exp_avg"].clone()
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    model[0].weight.grad[3, 4] = float("nan")
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    assert opt.steps_taken == 2 and opt.total_stats.skipped_steps == 1
+    assert torch.equal(opt.optimizer.state[model[0].weight]["exp_avg"], moments)
+    assert float(opt.optimizer.state[model[0].weight]["step"]) == 2
+    for p, before in zip(model.parameters(), params):
+        assert torch.equal(p, before)
+
+
+def test_updates_arguments_are_checked():
+    model = model_of()
+    with pytest.raises(ValueError, match="'gradients'"):
+        sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="grads"
+        )
+    with pytest.raises(ValueError, match="momentum_correction works on gradients"):
+        dgc(model, sparsecomm.TopK(0.05), exchange="updates")
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="updates"
+    )
+    with pytest.raises(RuntimeError, match="inside step"):
+        opt.synchronize()
+    state = opt.state_dict()
+    plain = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05)
+    )
+    with pytest.raises(ValueError, match="exchange='updates'"):
+        plain.load_state_dict(state)
+
+
+# ------------------------------------------------------------------ two ranks
+
+
+def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
+    configs = [
+        (sparsecomm.TopK(0.05, warmup_steps=15), "dgc"),
+        (sparsecomm.TopK(0.05, warmup_steps=15, warmup="dense"), "adamw"),
+        (sparsecomm.Dense(), "dgc"),
+        (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
+    ]
+    full = run_ranks(_workers.resume, 2, "full", str(tmp_path), configs, 10, 20)
+    run_ranks(_workers.resume, 2, "first", str(tmp_path), configs, 10, 20)
+    resumed = run_ranks(_workers.resume, 2, "second", str(tmp_path), configs, 10, 20)
+    start = _workers.flat_params(_workers.make_model(seed=0))
+    for index, (compressor, optimizer) in enumerate(configs):
+        what = f"{compressor} + {optimizer}"
+        assert not torch.equal(full[0][index], start), what
+        assert torch.equal(full[0][index], full[1][index]), f"{what}: ranks differ"
+        assert torch.equal(full[0][index], resumed[0][index]), f"{what}: resume differs"
+        assert torch.equal(full[1][index], resumed[1][index]), f"{what}: resume differs"
