@@ -8,6 +8,7 @@
 #   step() overhead           cap  60 s  bench_overhead.py at n = 1e7 and 1e8
 #   kernel benchmarks         cap 190 s  bench_kernels.py, its own budget set from the time left
 #   top-k breakdown           cap  90 s  bench_topk.py (EF loop, per-kernel profile, tile sweep)
+#   training quality          cap  90 s  quality_gpt.py: GPT loss under AdamW, dense vs recipes
 #
 # A part's timeout is its cap or the time left of SESSION_BUDGET_S (default 520 s), whichever
 # is less; a part with less left than it needs is skipped, a failing one is reported and the
@@ -73,6 +74,8 @@ if [[ $SMOKE == 1 ]]; then
   LINEAR_ARGS=(--params 1e7 --variants "DDP,Cast(bf16),TopK(0.01)" --batch 2 --warmup 0
                --steps 1 --repeats 1 --budget-s 30)
   OVERHEAD_ARGS=(--sizes 1e4,1e5)
+  QUALITY_ARGS=(--layers 1 --d-model 32 --heads 2 --vocab 64 --context 16 --batch 2
+                --steps 4 --warmup 2)
   KERNEL_ENV=(env BENCH_DEVICE=cpu TRITON_INTERPRET=1 BENCH_SIZES=1e4 BENCH_SWEEP=0)
 else
   TESTS=(tests/test_kernel_*.py tests/test_compressors.py tests/test_gpu.py)
@@ -82,6 +85,7 @@ else
   LINEAR_ARGS=(--params 1e9 --variants "DDP,Cast(bf16),TopK(0.01)" --warmup 5 --steps 20
                --repeats 3 --budget-s 55)
   OVERHEAD_ARGS=(--sizes 1e7,1e8)
+  QUALITY_ARGS=(--steps 100 --warmup 20)
   KERNEL_ENV=(env)
 fi
 
@@ -128,6 +132,10 @@ run_part "kernel benchmarks" 190 40 bench_kernels.txt 4 \
 run_part "top-k: EF loop, per-kernel profile, tile sweep" 90 45 bench_topk.txt 12 \
   python3 benchmarks/bench_topk.py --no-reference --profile --sweep \
   ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"}
+
+run_part "training quality (GPT, AdamW)" 90 30 quality_gpt.log 12 \
+  torchrun --standalone --nproc_per_node=1 benchmarks/quality_gpt.py \
+  "${QUALITY_ARGS[@]}" --out "$OUT/quality_gpt.md"
 
 echo
 echo "== summary [$(stamp)]"

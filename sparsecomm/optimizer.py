@@ -369,10 +369,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             torch.sub(old, param, out=param.grad)  # the update, as a gradient: old - new
             param.copy_(old)
         self._synchronize(grad_scaler=None)
-        if self._bad_ranks:  # finite gradients, non-finite update: nothing is applied
-            bad_ranks = self._bad_ranks
+        if self._refusal is not None:  # finite gradients, an update that is not: not applied
+            refusal = self._refusal
             self._finish_step(skipped=True)
-            raise NonFiniteGradientError(bad_ranks)
+            raise refusal
         self._finish_step(skipped=False)
         for param in self._params:
             if param.grad is not None:
