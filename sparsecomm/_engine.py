@@ -182,10 +182,11 @@ class CompressGraphs:
     Python.
 
     A bucket's compression is run eagerly the first time its key (the buffers it reads and
-    writes, which swap every step, and the compressor's :meth:`graph_signature`) is seen,
-    so that Triton compiles; captured the second time; replayed from then on. A key seen
-    once (a schedule changing ``k`` every step) is never captured, and a bucket's graphs
-    of an older signature are dropped when a new one comes. All graphs share one
+    writes, which swap every step, their size, and the compressor's
+    :meth:`graph_signature`) is seen, so that Triton compiles; captured the second time;
+    replayed from then on. A bucket keeps the graphs of its two latest keys: a key seen once
+    (a schedule changing ``k`` every step, a DDP bucket rebuilt) is never captured, and
+    older keys' graphs are dropped. All graphs share one
     memory pool; they replay one after the other on one stream, so their scratch can
     overlap, and what they output stays allocated with them (their messages are kept). A
     message as large as the bucket (``Cast``'s) goes into one wire buffer per bucket
@@ -194,10 +195,9 @@ class CompressGraphs:
 
     def __init__(self):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Message]] = {}
-        self.seen: set[tuple] = set()
+        self.keys_of: dict[int, list[tuple]] = {}  # per bucket, its latest keys
         self.pool = None
-        self.wire_buffers: dict[int, torch.Tensor | None] = {}
-        self.signatures: dict[int, tuple] = {}  # per bucket, the signature of its graphs
+        self.wire_buffers: dict[tuple, torch.Tensor | None] = {}
         self.failed = False
         #: Compressions replayed from a graph (a counter for tests and benchmarks).
         self.replays = 0
@@ -208,19 +208,19 @@ class CompressGraphs:
     ) -> Message:  # fmt: skip
         """``compressor.compress(grad, residual, world_size)``, from a graph when one is
         captured. ``owner``: the bucket's index (whose wire buffer the graphs share)."""
-        key = (owner, grad.data_ptr(), None if residual is None else residual.data_ptr(), signature)
-        if self.signatures.get(owner, signature) != signature:
-            # A schedule moved on (a warm-up's k): this bucket's older graphs, and what they
-            # hold, go.
-            self.graphs = {k: v for k, v in self.graphs.items() if k[0] != owner}
-            self.seen = {k for k in self.seen if k[0] != owner}
-        self.signatures[owner] = signature
-        entry = self.graphs.get(key)
-        if entry is None and not self.failed and key in self.seen:  # about to capture
-            return self._capture(compressor, grad, residual, world_size, key, owner)
-        if entry is None:
-            self.seen.add(key)
+        residual_ptr = None if residual is None else residual.data_ptr()
+        key = (grad.data_ptr(), residual_ptr, grad.numel(), signature)
+        keys = self.keys_of.setdefault(owner, [])
+        if key not in keys:  # first sighting: eagerly (Triton compiles what it needs)
+            keys.append(key)
+            if len(keys) > 2:  # a bucket has two buffer pairings: older keys' graphs go
+                self.graphs.pop(keys.pop(0), None)
             return compressor.compress(grad, residual, world_size)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if self.failed:
+                return compressor.compress(grad, residual, world_size)
+            return self._capture(compressor, grad, residual, world_size, key, owner)
         graph, captured = entry
         graph.replay()
         self.replays += 1
@@ -228,10 +228,11 @@ class CompressGraphs:
 
     def _capture(self, compressor, grad, residual, world_size, key, owner) -> Message:
         kwargs = {}
-        if owner not in self.wire_buffers:
-            self.wire_buffers[owner] = compressor.wire_buffer(grad.numel(), grad.device)
-        if self.wire_buffers[owner] is not None:  # one for both buffer pairings
-            kwargs["out"] = self.wire_buffers[owner]
+        slot = (owner, grad.numel())
+        if slot not in self.wire_buffers:
+            self.wire_buffers[slot] = compressor.wire_buffer(grad.numel(), grad.device)
+        if self.wire_buffers[slot] is not None:  # one for both buffer pairings
+            kwargs["out"] = self.wire_buffers[slot]
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -244,3 +244,31 @@ def test_cuda_graphs_with_momentum_correction_and_warm_up_give_eager_bits():
     graphed, opt = _train_momentum_corrected_cuda(cuda_graphs=True)
     assert opt._engine.graphs.replays > 0
     assert torch.equal(eager.view(torch.int32), graphed.view(torch.int32))
+
+
+def test_cuda_ddp_hook_graphs_give_eager_bits(tmp_path):
+    """World size 1 over NCCL: DDP with the hook, compression from CUDA graphs or eager,
+    the same parameters bit for bit; the graphs did replay."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for compressor in (sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16)):
+            ends, states = [], []
+            for cuda_graphs in (False, True):
+                model = _workers.make_model(seed=0).cuda()
+                ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+                state, hook = sparsecomm.ddp_comm_hook(compressor, cuda_graphs=cuda_graphs)
+                ddp.register_comm_hook(state, hook)
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+                for step in range(8):
+                    x, y = (t.cuda() for t in _workers.batch(0, step))
+                    torch.nn.functional.mse_loss(ddp(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                ends.append(_workers.flat_params(model).cpu())
+                states.append(state)
+            assert states[0].graphs is None and states[1].graphs.replays > 0, compressor
+            assert torch.equal(ends[0].view(torch.int32), ends[1].view(torch.int32)), compressor
+    finally:
+        dist.destroy_process_group()
