@@ -597,7 +597,7 @@ def test_planner_picks_the_measured_fastest_row(rate):
 
 # --------------------------------------------------------------------------- after the redesign
 # benchmarks/RESULTS.md, "Training step over a shaped link, CPU, after the exchange redesign"
-# (docs/network/results.json): the same command and model on sparsecomm at e751649, which sends
+# (tests/data/network_after_redesign.json): the same command and model on sparsecomm at e751649, which sends
 # each bucket during backward. Per rate: per-rank bandwidth (measured through-lo rate / 2), the
 # 1-float all-reduce (s), the `none` row's step and backward (s), each row's compress +
 # aggregate cost per element from its profiled steps (ns), and each row's measured step
@@ -726,7 +726,8 @@ def test_dense_and_cast_steps_are_modelled_within_5_percent_on_the_shaped_links(
 
 def test_planner_check_fits_the_overlap_and_reads_the_host_bandwidth():
     bench = _bench_network()
-    results = json.loads((REPO / "docs" / "network" / "results.json").read_text())
+    # That run's results.json, kept beside the tests (docs/network/ holds the latest run).
+    results = json.loads((REPO / "tests" / "data" / "network_after_redesign.json").read_text())
     check = bench.planner_check(results)
     assert check["overlap"] == pytest.approx(AFTER_OVERLAP, abs=0.01)
     assert check["host_bandwidth"] == pytest.approx(AFTER_HOST_BANDWIDTH, rel=1e-9)
