@@ -22,6 +22,8 @@ Each row builds a fresh model from the same seed, runs ``--warmup`` steps and ti
 ``--steps`` (forward, backward, optimizer step, ``zero_grad``; the device synchronized
 before and after each step); the rows run in turn, ``--repeats`` times (every other repeat
 in reverse order, against drift), and the table gives the median of the per-repeat medians.
+With ``--interleave R`` every row is built at once and the rows take turns, ``--steps``
+steps each, for R rounds: rows that are compared ran seconds apart, not minutes.
 Per row also: peak memory (``torch.cuda.max_memory_allocated``, reset before the row's model
 is built), bytes this rank sent per step, the ratios against the DDP and DDP+fp16 rows, and
 after all timing (so that the profiler cannot slow a timed step) a pass that counts the CUDA
@@ -435,6 +437,71 @@ def guarded(result: Result, what: str, fn) -> bool:
         return False
 
 
+def interleaved(results: list[Result], workload: Workload, args, device, out_of_time) -> None:
+    """``--interleave R``: every row built at once, then R rounds in which each row runs
+    ``--steps`` timed steps in turn (every other round in reverse order). A row's median per
+    round lands in ``medians``, so the repeat-by-repeat ratios pair blocks that ran seconds
+    apart. Peak memory: what the row allocated beyond what was allocated before it was
+    built (the other rows' resident state), plus what was allocated before any row."""
+    rank = dist.get_rank()
+    cuda = device.type == "cuda"
+    release(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    built = {}
+    for result in results:
+        if result.note:
+            continue
+
+        def build(r=result):
+            release(device)
+            before = 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            b = build_row(r.name, workload, device)
+            time_steps(b.step, args.warmup, 0, device)
+            if cuda:
+                r.peak_bytes = base + torch.cuda.max_memory_allocated(device) - before
+            r.base_bytes, r.numel = base, b.numel
+            built[r.name] = b
+
+        guarded(result, "building", build)
+    for round_ in range(args.interleave):
+        if round_ > 0 and out_of_time():
+            if rank == 0:
+                print(f"# time budget of {args.budget_s:.0f} s spent in round {round_ + 1}")
+            break
+        order = results if round_ % 2 == 0 else results[::-1]
+        for result in order:
+            if result.name not in built or result.note:
+                continue
+
+            def timed(r=result):
+                r.medians.append(
+                    statistics.median(time_steps(built[r.name].step, 0, args.steps, device))
+                )
+
+            guarded(result, "timing", timed)
+        if rank == 0:
+            line = ", ".join(f"{r.name} {r.medians[-1] * 1e3:.2f}" for r in results if r.medians)
+            print(f"# {workload.label} round {round_ + 1} ms: {line}", flush=True)
+    for result in results:
+        if result.name in built and not result.note:
+            result.sent = built[result.name].sent_bytes()
+            graphs = getattr(getattr(built[result.name].optimizer, "_engine", None), "graphs", None)
+            if graphs is not None and rank == 0:
+                captures = sum(graphs.captures_of.values())
+                print(f"# {result.name}: {graphs.replays} graph replays, {captures} captures")
+            if args.shares and is_sparsecomm(result.name):
+                guarded(
+                    result,
+                    "profile",
+                    lambda r=result: setattr(r, "shares", profile_shares(built[r.name], device)),
+                )
+    built.clear()
+    release(device)
+
+
 def run_table(workload: Workload, names: list[str], args, device, started: float) -> list[Result]:
     results = [Result(name, note=skip_reason(name)) for name in names]
     rank = dist.get_rank()
@@ -444,7 +511,9 @@ def run_table(workload: Workload, names: list[str], args, device, started: float
         return agreed(limit is not None and time.monotonic() - started > limit)
 
     stopped = False
-    for repeat in range(args.repeats):
+    if args.interleave:
+        interleaved(results, workload, args, device, out_of_time)
+    for repeat in range(0 if args.interleave else args.repeats):
         order = results if repeat % 2 == 0 else results[::-1]
         for result in order:
             if result.note:
@@ -513,8 +582,13 @@ def format_table(workload: Workload, results: list[Result], args, device) -> str
     header = [
         f"\n{gpu}, torch {torch.__version__}, {datetime.date.today().isoformat()}, W={world}",
         f"{workload.description}; {args.warmup} warmup + {args.steps} timed steps per row, "
-        f"{max((len(r.medians) for r in results), default=0)} repeat(s) of the rows "
-        "(every other one in reverse order)",
+        f"{max((len(r.medians) for r in results), default=0)} "
+        + (
+            f"interleaved round(s): all rows built at once, each running {args.steps} steps in turn"
+            if args.interleave
+            else "repeat(s) of the rows"
+        )
+        + " (every other one in reverse order)",
         "",
         "| params | W | path | variant | step ms (median of repeats) | repeat medians ms | "
         "x DDP | x DDP+fp16 | peak GiB | peak x DDP | kernels / step | launch calls / step | "
@@ -523,7 +597,12 @@ def format_table(workload: Workload, results: list[Result], args, device) -> str
     ]
     base = max((r.base_bytes for r in results), default=0)
     notes = [""]
-    if base > 2**20:
+    if args.interleave:
+        notes.append(
+            "- peak: what the row allocated beyond the other rows' resident state, plus "
+            f"{base / 2**30:.2f} GiB allocated before any row was built"
+        )
+    elif base > 2**20:
         notes.append(
             f"- {base / 2**30:.2f} GiB were still allocated when some row started "
             "(included in its peak)"
@@ -595,6 +674,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (linear 20, gpt 30)")
     parser.add_argument("--warmup", type=int, default=None, help="linear 5, gpt 10")
     parser.add_argument("--repeats", type=int, default=2, help="times the set of rows runs")
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="R",
+        help="build every row at once and time R rounds of --steps steps per row, the rows "
+        "taking turns (instead of --repeats of whole rows one after the other)",
+    )
     parser.add_argument("--variants", default=None)
     parser.add_argument(
         "--no-launches",

@@ -5,6 +5,7 @@
 #   GPU tests                 cap 150 s  tests/test_kernel_*.py, test_compressors.py, test_gpu.py
 #   GPT step table            cap 210 s  bench_step.py --model gpt (issue 11's rows and targets)
 #   1e9 linear rows           cap  90 s  bench_step.py --params 1e9: DDP, Cast(bf16), TopK(0.01)
+#   1e9 step profile          cap  90 s  profile_step.py: DDP and TopK(0.01) per operator
 #   step() overhead           cap  60 s  bench_overhead.py at n = 1e7 and 1e8
 #   kernel benchmarks         cap 190 s  bench_kernels.py, its own budget set from the time left
 #   top-k breakdown           cap  90 s  bench_topk.py (EF loop, per-kernel profile, tile sweep)
@@ -15,6 +16,7 @@
 # next one runs. Outputs go to $OUT (default ./gpu-out): each part's full log, the tables as
 # markdown (bench_gpt.md, bench_step.md, bench_overhead.md, bench_kernels.md), and
 # session.txt with each part's status and time; the end of stdout repeats the tables.
+# SKIP="bench_kernels bench_topk quality_gpt" leaves out the parts writing those logs.
 # TOPK_BASELINE=path/to/topk.py also times that version of the top-k module beside this one.
 # SMOKE=1 runs every part at tiny sizes (on a CPU: a test of this script, not a measurement).
 #
@@ -34,7 +36,8 @@ stamp() { echo "$(date -u +%H:%M:%S) UTC, +$(elapsed) s"; }
 quiet() { grep -v -E '^(USDT:|[WI][0-9]{4} |\*{10})|OMP_NUM_THREADS|^ *$'; }
 
 # run_part NAME CAP_S MIN_S LOG SHOW CMD...: CMD under a timeout of min(CAP_S, time left),
-# or skipped when less than MIN_S is left; full output in $OUT/LOG, its last SHOW lines here.
+# or skipped when less than MIN_S is left or when SKIP names its log's stem (e.g.
+# SKIP="bench_kernels bench_topk"); full output in $OUT/LOG, its last SHOW lines here.
 run_part() {
   local name=$1 cap=$2 min=$3 log=$4 show=$5
   shift 5
@@ -42,6 +45,10 @@ run_part() {
   (( limit > cap )) && limit=$cap
   echo
   echo "== $name [$(stamp)], timeout ${limit} s"
+  if [[ " ${SKIP:-} " == *" ${log%.*} "* ]]; then
+    echo "-- $name: SKIPPED (SKIP names ${log%.*})" | tee -a "$OUT/session.txt"
+    return 0
+  fi
   if (( limit < min )); then
     echo "-- $name: SKIPPED, ${limit} s left of the session (needs ${min} s)" \
       | tee -a "$OUT/session.txt"
@@ -70,22 +77,27 @@ left_for() {  # left_for CAP: min(CAP, time left)
 if [[ $SMOKE == 1 ]]; then
   TESTS=(tests/test_gpu.py)
   GPT_ARGS=(--layers 2 --d-model 64 --heads 2 --vocab 256 --context 32 --batch 2
-            --warmup 1 --steps 2 --repeats 2 --budget-s 60)
+            --warmup 1 --steps 2 --interleave 2 --budget-s 60)
   LINEAR_ARGS=(--params 1e7 --variants "DDP,Cast(bf16),TopK(0.01)" --batch 2 --warmup 0
                --steps 1 --repeats 1 --budget-s 30)
+  PROFILE_ARGS=()
+  SKIP="${SKIP:-} profile_step"  # it profiles CUDA steps only
   OVERHEAD_ARGS=(--sizes 1e4,1e5)
   QUALITY_ARGS=(--layers 1 --d-model 32 --heads 2 --vocab 64 --context 16 --batch 2
                 --steps 4 --warmup 2)
   KERNEL_ENV=(env BENCH_DEVICE=cpu TRITON_INTERPRET=1 BENCH_SIZES=1e4 BENCH_SWEEP=0)
 else
-  TESTS=(tests/test_kernel_*.py tests/test_compressors.py tests/test_gpu.py)
-  # ~40 ms steps: 8 rows x 3 repeats x 40 steps ~ 40 s of steps, plus builds, the kernel
-  # counts and the profile=True steps; no repeat starts a row after 140 s.
-  GPT_ARGS=(--warmup 10 --steps 30 --repeats 3 --budget-s 140)
-  LINEAR_ARGS=(--params 1e9 --variants "DDP,Cast(bf16),TopK(0.01)" --warmup 5 --steps 20
-               --repeats 3 --budget-s 55)
+  # GPU_TESTS="tests/test_gpu.py ..." runs those instead (e.g. when no kernel changed).
+  read -r -a TESTS <<< "${GPU_TESTS:-$(echo tests/test_kernel_*.py) tests/test_compressors.py tests/test_gpu.py}"
+  # ~40 ms steps: 8 rows built at once (~30 GiB), 8 interleaved rounds of 10 steps per
+  # row ~ 30 s of steps, plus builds, the kernel counts and the profile=True steps; no
+  # round starts after 140 s.
+  GPT_ARGS=(--warmup 10 --steps 10 --interleave 8 --budget-s 140)
+  LINEAR_ARGS=(--params 1e9 --variants "none,DDP,Cast(bf16),TopK(0.01)" --warmup 5 --steps 5
+               --interleave 6 --budget-s 55)
   OVERHEAD_ARGS=(--sizes 1e7,1e8)
   QUALITY_ARGS=(--steps 100 --warmup 20)
+  PROFILE_ARGS=(--model linear --params 1e9 --variants "DDP,TopK(0.01)" --warmup 3 --steps 2)
   KERNEL_ENV=(env)
 fi
 
@@ -114,6 +126,10 @@ run_part "GPT step table (one GPU)" 210 60 bench_gpt.log 3 \
 run_part "1e9-parameter linear rows (one GPU)" 90 30 bench_step.log 3 \
   torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py \
   "${LINEAR_ARGS[@]}" --label "1 GPU" --out "$OUT/bench_step.md"
+
+run_part "where the 1e9 step goes (torch.profiler)" 90 30 profile_step.log 80 \
+  torchrun --standalone --nproc_per_node=1 benchmarks/profile_step.py "${PROFILE_ARGS[@]}" \
+  --out "$OUT/profile_step.txt"
 
 run_part "CompressedOptimizer.step() overhead" 60 20 bench_overhead.log 3 \
   python3 benchmarks/bench_overhead.py "${OVERHEAD_ARGS[@]}" --out "$OUT/bench_overhead.md"

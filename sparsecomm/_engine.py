@@ -6,6 +6,9 @@ One bucket's life in a step:
 1. **fill**: each member parameter's gradient lands in the bucket's ``grad_buffer``. An
    fp32 parameter's ``.grad`` is a view of that buffer, so autograd accumulates straight
    into it; a gradient that autograd allocated anew (after ``zero_grad()``) is copied once.
+   ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
+   views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
+   so that between steps a bucket holds only its residual, as DDP holds only its buckets.
 2. **launch**: when the last member is filled and every earlier bucket has launched, the
    bucket is compressed and its collective started (``async_op=True``). Buckets launch in
    one fixed order on every rank, whatever order their gradients arrive in, so the ranks'
@@ -107,10 +110,28 @@ class Bucket:
     def allocate(self, keep_residual: bool) -> None:
         """Allocate the flat buffers (zeros) and the members' views of them."""
         self.grad_buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        self.grad_views = [self.view(self.grad_buffer, m) for m in range(len(self.params))]
+        self.grad_views = self.views_of(self.grad_buffer)
         if keep_residual:
             self.residual = torch.zeros_like(self.grad_buffer)
-            self.residual_views = [self.view(self.residual, m) for m in range(len(self.params))]
+            self.residual_views = self.views_of(self.residual)
+
+    def views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [self.view(buffer, m) for m in range(len(self.params))]
+
+    def release(self) -> None:
+        """Drop the gradient buffer (the last average, once nothing reads it): between
+        steps only the residual stays allocated, as DDP keeps only its buckets. The next
+        fill allocates a new one (:meth:`gradient_buffer`)."""
+        self.grad_buffer = None
+        self.grad_views = []
+
+    def gradient_buffer(self) -> torch.Tensor:
+        """The gradient buffer, allocated (uninitialised: every member is filled before
+        the bucket launches) if :meth:`release` dropped it."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            self.grad_views = self.views_of(self.grad_buffer)
+        return self.grad_buffer
 
     def swap(self) -> None:
         """The residual buffer becomes the gradient buffer and the other way round."""
@@ -186,12 +207,18 @@ class CompressGraphs:
     :meth:`graph_signature`) is seen, so that Triton compiles; captured the second time;
     replayed from then on. A bucket keeps the graphs of its two latest keys: a key seen once
     (a schedule changing ``k`` every step, a DDP bucket rebuilt) is never captured, and
-    older keys' graphs are dropped. All graphs share one
+    older keys' graphs are dropped, and a bucket captured :attr:`MAX_CAPTURES` times
+    compresses eagerly from then on. All graphs share one
     memory pool; they replay one after the other on one stream, so their scratch can
     overlap, and what they output stays allocated with them (their messages are kept). A
     message as large as the bucket (``Cast``'s) goes into one wire buffer per bucket
     (:meth:`~sparsecomm.compressors.Compressor.wire_buffer`), shared by the graphs of both
     buffer pairings, so that graphs cost no more memory than eager compression."""
+
+    #: Captures per bucket before it compresses eagerly for good: buffers whose addresses
+    #: keep changing (reallocated every step and not handed back at the same place) would
+    #: otherwise be captured again and again.
+    MAX_CAPTURES = 8
 
     def __init__(self):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Message]] = {}
@@ -199,6 +226,7 @@ class CompressGraphs:
         self.pool = None
         self.wire_buffers: dict[tuple, torch.Tensor | None] = {}
         self.failed = False
+        self.captures_of: dict[int, int] = {}  # per bucket, graphs captured so far
         #: Compressions replayed from a graph (a counter for tests and benchmarks).
         self.replays = 0
 
@@ -218,8 +246,10 @@ class CompressGraphs:
             return compressor.compress(grad, residual, world_size)
         entry = self.graphs.get(key)
         if entry is None:
-            if self.failed:
+            captures = self.captures_of.get(owner, 0)
+            if self.failed or captures >= self.MAX_CAPTURES:
                 return compressor.compress(grad, residual, world_size)
+            self.captures_of[owner] = captures + 1
             return self._capture(compressor, grad, residual, world_size, key, owner)
         graph, captured = entry
         graph.replay()
@@ -302,6 +332,7 @@ class BucketEngine:
         """Put the member's current ``.grad`` (``None``: zeros) into the bucket."""
         param = bucket.params[member]
         grad = param.grad
+        bucket.gradient_buffer()
         target = bucket.grad_views[member]
         if grad is None:
             target.zero_()
@@ -436,6 +467,13 @@ class BucketEngine:
                 self._commit_velocity(bucket, exchange.message, used)
             bucket.reset()
         self.next_launch = 0
+
+    def release_gradients(self) -> None:
+        """``zero_grad(set_to_none=True)`` dropped the members' ``.grad``: drop the buffers
+        holding them too (buckets between steps only)."""
+        for bucket in self.buckets:
+            if bucket.exchange is None and bucket.pending == len(bucket.params):
+                bucket.release()
 
     def _commit_velocity(self, bucket: Bucket, message, used: list[bool]) -> None:
         """Momentum factor masking, then make this step's velocity the current one.

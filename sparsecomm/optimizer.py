@@ -294,6 +294,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._finish_step(skipped=True)
             raise refusal
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the wrapped optimizer's. With ``set_to_none=True`` (the default) the flat
+        gradient buffers are dropped as well, so that between steps only the
+        error-feedback residuals stay allocated (as DDP keeps only its buckets); the next
+        backward allocates them again as its gradients arrive. Zeroing ``.grad`` another
+        way (``model.zero_grad()``) keeps the buffers: correct, but the memory stays."""
+        super().zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            self._engine.release_gradients()
+
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Average the gradients over all ranks, compressed (unless backward already did),

@@ -2,6 +2,8 @@
 step(), gradient accumulation with no_sync(), a used set that changes between steps and
 ranks, the DDP comm hook in sync and resumed bitwise."""
 
+import weakref
+
 import _overlap_workers as w
 import pytest
 import torch
@@ -175,3 +177,43 @@ def test_ddp_hook_rejects_bad_arguments():
         sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01), dense_iterations=-1)
     with pytest.raises(TypeError, match="error_feedback"):
         sparsecomm.ddp_comm_hook(sparsecomm.Dense(), error_feedback=1)
+
+
+# ------------------------------------------------------------------ memory between steps
+
+
+def _train_zeroing(compressor, zero, steps=5):
+    model = w.make_model()
+    opt = w.wrap(model, compressor)
+    for step in range(steps):
+        x, y = w.batch(0, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        zero(model, opt)
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [sparsecomm.Dense(), sparsecomm.TopK(0.1), sparsecomm.Cast(torch.bfloat16)],
+    ids=repr,
+)
+def test_zero_grad_releases_the_gradient_buffers_and_keeps_the_bits(compressor):
+    kept, _ = _train_zeroing(compressor, lambda m, o: m.zero_grad(set_to_none=True))
+    model, opt = _train_zeroing(compressor, lambda m, o: o.zero_grad())
+    assert torch.equal(w.flat(kept), w.flat(model)), _diff(w.flat(kept), w.flat(model))
+    buckets = opt._engine.buckets
+    assert len(buckets) > 1 and all(b.grad_buffer is None for b in buckets)
+    if not isinstance(compressor, sparsecomm.Dense):  # residuals stay: nothing is lost
+        assert all(b.residual is not None for b in buckets if b.compressed)
+    # One more step: the average lives in each bucket's buffer until opt.zero_grad().
+    x, y = w.batch(0, 99)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    averages = [weakref.ref(b.grad_buffer) for b in buckets]
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad(set_to_none=False)  # zeroed in place: the buffers are kept
+    assert all(a() is not None for a in averages)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(a() is None for a in averages), "a released buffer is still alive"
