@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--weight-decay", type=float, default=0.01)
     add("--seed", type=int, default=0)
     add("--steps", type=int, default=6)
+    add("--rounds", type=int, default=1, help="times the rows run, taking turns")
     add("--warmup", type=int, default=2)
     add("--profile-steps", type=int, default=2)
     add("--bucket-cap-mb", type=float, default=25.0)
@@ -315,7 +316,7 @@ class Trainer:
                 "starts each bucket's all-reduces of P and Q from futures' callbacks, which race "
                 "with the next bucket's first all-reduce, so the ranks issue collectives in "
                 "different orders and gloo, which matches them by issue order, aborts "
-                "(\"Received data size doesn't match expected size\"; a 6-layer MLP of 0.6 MiB "
+                '("Received data size doesn\'t match expected size"; a 6-layer MLP of 0.6 MiB '
                 "ran, one of 24 MiB aborted)"
             )
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -438,8 +439,8 @@ def gather(ctx: Context, obj):
     return out
 
 
-def run_row(name: str, ctx: Context) -> dict:
-    """Warm-up, timed steps and (sparsecomm) profiled steps of one row."""
+def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
+    """Warm-up, timed steps and (sparsecomm, with ``profile``) profiled steps of one row."""
     a = ctx.args
     started = time.perf_counter()
     model = ctx.fresh_model()
@@ -452,7 +453,7 @@ def run_row(name: str, ctx: Context) -> dict:
     dist.barrier()
     records = [trainer.step(warmup + i) for i in range(a.steps)]
     profiled = []
-    if row_kind(name) == "sc" and a.profile_steps > 0:
+    if profile and row_kind(name) == "sc" and a.profile_steps > 0:
         # A separate short run with profile=True (it synchronizes, so it is not timed above),
         # continuing from the timed run's residuals and optimizer state.
         state = trainer.optimizer.state_dict()
@@ -670,37 +671,71 @@ def main(argv=None) -> None:
         out["threshold"] = {"t": ctx.threshold, "how": how, "calibrated": calibrated}
         say(f"Threshold(t): {how}")
 
-    for name in rows:
-        try:
-            result = run_row(name, ctx)
-        except Skip as why:
-            out["skipped"].append({"row": name, "reason": str(why)})
-            say(f"{name}: skipped: {why}")
+    by_name = {}
+    skipped = set()
+    for round_ in range(args.rounds):
+        for name in rows if round_ % 2 == 0 else rows[::-1]:
+            if name in skipped:
+                continue
+            try:
+                result = run_row(name, ctx, profile=round_ == 0)
+            except Skip as why:
+                skipped.add(name)
+                out["skipped"].append({"row": name, "reason": str(why)})
+                say(f"{name}: skipped: {why}")
+                save()
+                gc.collect()
+                dist.barrier()
+                continue
+            if round_ == 0 and args.target_loss is not None:
+                result["target"] = run_to_target(name, ctx)
+            if name in by_name:
+                result = merge_rounds(by_name[name], result)
+            by_name[name] = result
+            out["rows"] = [by_name[n] for n in rows if n in by_name]
+            report_row(result, args.rounds, round_, say)
             save()
-            gc.collect()
-            dist.barrier()
-            continue
-        if args.target_loss is not None:
-            result["target"] = run_to_target(name, ctx)
-        out["rows"].append(result)
-        s = result["step_s"]
-        mb = result["bytes_per_step"]
-        say(
-            f"{name}: step {s['median'] * 1e3:.0f} ms [{s['p20'] * 1e3:.0f}-"
-            f"{s['p80'] * 1e3:.0f}], "
-            + (f"{mb / 1e6:.3g} MB/rank/step" if mb is not None else "bytes n/a")
-            + (
-                f", target: {result['target']['seconds']:.1f} s / {result['target']['steps']} "
-                f"steps (val {result['target']['val_loss']:.3f})"
-                if "target" in result
-                else ""
-            )
-        )
-        save()
     out["finished"] = True
     save()
     dist.barrier()  # tear down together: gloo can abort a rank whose peer left
     dist.destroy_process_group()
+
+
+def merge_rounds(first: dict, later: dict) -> dict:
+    """One row's results over rounds: every timed step pooled (``step_s`` summarises them
+    all), each round's median kept in ``round_medians``; the profile and loss of the
+    first round."""
+    merged = dict(first)
+    merged["step_s_all"] = first["step_s_all"] + later["step_s_all"]
+    merged["step_s"] = summary(merged["step_s_all"])
+    merged["round_medians"] = first.get("round_medians", [first["step_s"]["median"]]) + [
+        later["step_s"]["median"]
+    ]
+    merged["phases_s"] = {
+        phase: statistics.median([first["phases_s"][phase], later["phases_s"][phase]])
+        for phase in first["phases_s"]
+    }
+    merged["wall_s"] = first["wall_s"] + later["wall_s"]
+    return merged
+
+
+def report_row(result: dict, rounds: int, round_: int, say) -> None:
+    """One line per row and round: the step time over the rounds so far."""
+    s = result["step_s"]
+    mb = result["bytes_per_step"]
+    target = result.get("target")
+    say(
+        (f"round {round_ + 1}/{rounds}: " if rounds > 1 else "")
+        + f"{result['row']}: step {s['median'] * 1e3:.0f} ms [{s['p20'] * 1e3:.0f}-"
+        f"{s['p80'] * 1e3:.0f}], "
+        + (f"{mb / 1e6:.3g} MB/rank/step" if mb is not None else "bytes n/a")
+        + (
+            f", target: {target['seconds']:.1f} s / {target['steps']} steps "
+            f"(val {target['val_loss']:.3f})"
+            if target
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

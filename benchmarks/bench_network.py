@@ -191,7 +191,14 @@ def make_parser() -> argparse.ArgumentParser:
     add("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     add("--lr-warmup", type=int, default=20, help="linear warm-up steps of the learning rate")
     add("--seed", type=int, default=0)
-    add("--steps", type=int, default=6, help="timed steps per row")
+    add("--steps", type=int, default=6, help="timed steps per row and round")
+    add(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the rows run at each rate, taking turns (every other round in reverse "
+        "order): drift of the machine spreads over every row instead of favouring some",
+    )
     add("--warmup", type=int, default=2, help="untimed steps per row first")
     add("--profile-steps", type=int, default=2, help="sparsecomm rows: profile=True steps")
     add("--threshold", type=float, default=None, help="t of Threshold(t); default: calibrated")
@@ -252,8 +259,7 @@ def missing_prerequisite(delay: bool = False) -> str | None:
     for tool, package in (("unshare", "util-linux"), ("ip", "iproute2"), ("tc", "iproute2")):
         if find_tool(tool) is None:
             return (
-                f"bench_network needs `{tool}`, which is not installed: "
-                f"apt-get install {package}"
+                f"bench_network needs `{tool}`, which is not installed: apt-get install {package}"
             )
     probes = [
         ("tbf rate 1gbit burst 262144 latency 100ms", "sch_tbf", ""),
@@ -264,8 +270,16 @@ def missing_prerequisite(delay: bool = False) -> str | None:
         script = f"ip link set lo up && tc qdisc add dev lo root {qdisc}"
         try:
             probe = subprocess.run(
-                [find_tool("unshare"), "--net", "--pid", "--fork", "--kill-child", "sh", "-c",
-                 script],
+                [
+                    find_tool("unshare"),
+                    "--net",
+                    "--pid",
+                    "--fork",
+                    "--kill-child",
+                    "sh",
+                    "-c",
+                    script,
+                ],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -328,6 +342,7 @@ def worker_flags(args: argparse.Namespace, label: str, rate: float, json_path: P
         "lr_warmup",
         "seed",
         "steps",
+        "rounds",
         "warmup",
         "profile_steps",
         "threshold",
@@ -557,7 +572,13 @@ def format_report(results: dict) -> str:
         "standard-library text; every row from the same initialization on the same data.",
         f"- Per row and rate: {cfg['warmup']} untimed steps, then {cfg['steps']} timed; a step "
         "is forward + backward + optimizer step, its time the slowest rank's. sparsecomm rows: "
-        f"{cfg['profile_steps']} more steps with `profile=True` for the shares.",
+        f"{cfg['profile_steps']} more steps with `profile=True` for the shares."
+        + (
+            f" The rows took turns {cfg['rounds']} times (every other round in reverse order, "
+            "each from a fresh model); the figures pool every round's timed steps."
+            if cfg.get("rounds", 1) > 1
+            else ""
+        ),
         "",
         "Loopback is one shared medium: every rank's traffic crosses the one shaped `lo` "
         f"queue, so the set rate is the total of all {world_size} ranks and each rank gets "

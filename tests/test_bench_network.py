@@ -228,7 +228,8 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
         f"--rates={SMOKE_RATE}",
         "--rows=none,ddp,TopK(0.01)",
         *TINY,
-        "--steps=3",
+        "--steps=2",
+        "--rounds=2",
         "--warmup=1",
         "--profile-steps=1",
         "--rate-timeout=100",
@@ -236,6 +237,8 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
+    for row in results["rates"][0]["data"]["rows"]:  # two rounds of two timed steps, pooled
+        assert len(row["step_s_all"]) == 4 and len(row["round_medians"]) == 2, row["row"]
     (rate,) = results["rates"]
     assert rate["status"] == "ok", rate
     data = rate["data"]
