@@ -97,7 +97,8 @@ else
                --interleave 6 --budget-s 55)
   OVERHEAD_ARGS=(--sizes 1e7,1e8)
   QUALITY_ARGS=(--steps 100 --warmup 20)
-  PROFILE_ARGS=(--model linear --params 1e9 --variants "DDP,TopK(0.01)" --warmup 3 --steps 2)
+  # PROFILE="--model gpt --variants DDP,TopK(0.01) --cprofile" profiles other rows instead.
+  read -r -a PROFILE_ARGS <<< "${PROFILE:---model linear --params 1e9 --variants DDP,TopK(0.01) --warmup 3 --steps 2}"
   KERNEL_ENV=(env)
 fi
 

@@ -49,6 +49,29 @@ def busy_us(events) -> float:
     return total
 
 
+def idle_gaps(events, count: int = 10) -> list[str]:
+    """The longest stretches in which no kernel ran, each with where it began (ms after the
+    first kernel) and the kernel that ended it: where the GPU waited for the host."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not kernels:
+        return []
+    origin, end = kernels[0][0], kernels[0][1]
+    gaps = []
+    for start, stop, kernel in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, end - origin, kernel))
+        end = max(end, stop)
+    gaps.sort(reverse=True)
+    return [
+        f"{gap / 1e3:7.3f} ms idle from {at / 1e3:8.3f} ms, until {kernel[:70]}"
+        for gap, at, kernel in gaps[:count]
+    ]
+
+
 def profile_row(name: str, workload, args, device) -> str:
     built = bench_step.build_row(name, workload, device)
     for _ in range(args.warmup):
@@ -72,6 +95,12 @@ def profile_row(name: str, workload, args, device) -> str:
         f"per step: wall {wall_ms:.2f} ms, GPU busy {busy_ms:.2f} ms, GPU idle "
         f"{wall_ms - busy_ms:.2f} ms, {kernels / args.steps:.0f} kernels, {syncs:.1f} "
         "host syncs",
+        "",
+        "The longest GPU idle stretches (all profiled steps):",
+        "",
+        "```",
+        *idle_gaps(events),
+        "```",
         "",
         "```",
         table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60),

@@ -9,7 +9,8 @@ One bucket's life in a step:
    ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
    views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
    so that between steps a bucket holds only its residual, as DDP holds only its buckets
-   (except a bucket compressed from a CUDA graph, which needs fixed addresses).
+   (a bucket without a residual keeps its one buffer; so does a bucket compressed from a
+   CUDA graph, which needs fixed addresses).
 2. **launch**: when the last member is filled and every earlier bucket has launched, the
    bucket is compressed and its collective started (``async_op=True``). Buckets launch in
    one fixed order on every rank, whatever order their gradients arrive in, so the ranks'
@@ -69,6 +70,9 @@ class Bucket:
         filled: per member, whether its gradient is in ``grad_buffer`` this step.
         used: per member, whether it had a gradient on this rank this step.
         pending: members not filled yet this step.
+        to_copy, to_zero: filled members whose gradient is still to be copied into
+            ``grad_buffer`` (autograd allocated it elsewhere), or zeroed there (it had
+            none), at launch (:meth:`BucketEngine.gather`).
         exchange: the bucket's message in flight, once launched this step.
         velocity: float32 momentum-correction velocity, or None without momentum
             correction.
@@ -87,6 +91,8 @@ class Bucket:
     filled: list[bool] = field(default_factory=list)
     used: list[bool] = field(default_factory=list)
     pending: int = 0
+    to_copy: list[int] = field(default_factory=list)
+    to_zero: list[int] = field(default_factory=list)
     exchange: Exchange | None = None
     velocity: torch.Tensor | None = None
     next_velocity: torch.Tensor | None = None
@@ -140,6 +146,7 @@ class Bucket:
         self.grad_views, self.residual_views = self.residual_views, self.grad_views
 
     def reset(self) -> None:
+        self.to_copy, self.to_zero = [], []
         self.filled = [False] * len(self.params)
         self.used = [False] * len(self.params)
         self.pending = len(self.params)
@@ -336,23 +343,35 @@ class BucketEngine:
         bucket.gradient_buffer()
         target = bucket.grad_views[member]
         if grad is None:
-            target.zero_()
+            bucket.to_zero.append(member)
         else:
+            if grad.is_sparse:
+                raise TypeError(
+                    "sparse gradients are not supported: build embeddings with "
+                    "sparse=False so that their gradients are dense"
+                )
             # Autograd accumulated into the bucket itself unless it allocated anew.
-            if grad is not target:
-                if grad.is_sparse:
-                    raise TypeError(
-                        "sparse gradients are not supported: build embeddings with "
-                        "sparse=False so that their gradients are dense"
-                    )
-                if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
-                    target.copy_(grad)
-                    if param.dtype == torch.float32:
-                        # Later backward passes accumulate into the bucket itself.
-                        param.grad = target
+            if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
+                bucket.to_copy.append(member)
             bucket.used[member] = True
         bucket.filled[member] = True
         bucket.pending -= 1
+
+    @staticmethod
+    def gather(bucket: Bucket) -> None:
+        """Copy the gradients that :meth:`fill` found outside the bucket into it, and zero
+        the members without one: one foreach launch each per bucket, not one per member
+        (host time per parameter is what a model of many tensors pays for). The copy reads
+        ``.grad`` as it is now."""
+        if bucket.to_copy:
+            views, params = bucket.grad_views, bucket.params
+            torch._foreach_copy_(
+                [views[m] for m in bucket.to_copy], [params[m].grad for m in bucket.to_copy]
+            )
+            bucket.to_copy = []
+        if bucket.to_zero:
+            torch._foreach_zero_([bucket.grad_views[m] for m in bucket.to_zero])
+            bucket.to_zero = []
 
     def fill_from_hook(self, param: torch.Tensor) -> bool:
         """A gradient arrived during backward: fill it in, launch what is ready. Returns
@@ -401,6 +420,7 @@ class BucketEngine:
     def _launch(self, bucket: Bucket) -> None:
         compressor = self.compressor_of(bucket)
         started = self.comm.clock(bucket.device)
+        self.gather(bucket)
         if bucket.velocity is not None:
             # u' = grad + momentum * u, in the gradient buffer (what is compressed) and in
             # next_velocity (kept until finish); u itself stays as it was.
@@ -471,12 +491,18 @@ class BucketEngine:
 
     def release_gradients(self) -> None:
         """``zero_grad(set_to_none=True)`` dropped the members' ``.grad``: drop the buffers
-        holding them too (buckets between steps only). A bucket whose compression replays
-        from a CUDA graph keeps its buffers: a graph reads and writes fixed addresses, and
-        a buffer allocated anew every step lands elsewhere (measured on an H200: graphs
-        then replayed in under half the steps, and each miss cost a capture)."""
+        holding them too (buckets between steps only), where that is what keeps the
+        bucket's memory at DDP's: a bucket with a residual holds two buffers, DDP one.
+        A bucket without a residual (``Dense``, small parameters, no error feedback) keeps
+        its one buffer, and allocating it anew would only cost time. A bucket whose
+        compression replays from a CUDA graph keeps its buffers: a graph reads and writes
+        fixed addresses, and a buffer allocated anew every step lands elsewhere (measured
+        on an H200: graphs then replayed in under half the steps, and each miss cost a
+        capture)."""
         for bucket in self.buckets:
             if bucket.exchange is not None or bucket.pending != len(bucket.params):
+                continue
+            if bucket.residual is None:
                 continue
             if not self.graphed(bucket, self.compressor_of(bucket)):
                 bucket.release()

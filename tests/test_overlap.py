@@ -202,10 +202,15 @@ def test_zero_grad_releases_the_gradient_buffers_and_keeps_the_bits(compressor):
     kept, _ = _train_zeroing(compressor, lambda m, o: m.zero_grad(set_to_none=True))
     model, opt = _train_zeroing(compressor, lambda m, o: o.zero_grad())
     assert torch.equal(w.flat(kept), w.flat(model)), _diff(w.flat(kept), w.flat(model))
-    buckets = opt._engine.buckets
+    # Buckets with a residual hold two buffers (DDP one): their gradient buffer goes.
+    # The others (Dense, small parameters) hold one and keep it.
+    buckets = [b for b in opt._engine.buckets if b.residual is not None]
+    kept = [b for b in opt._engine.buckets if b.residual is None]
+    assert all(b.grad_buffer is not None for b in kept)
+    if isinstance(compressor, sparsecomm.Dense):
+        assert not buckets and kept
+        return
     assert len(buckets) > 1 and all(b.grad_buffer is None for b in buckets)
-    if not isinstance(compressor, sparsecomm.Dense):  # residuals stay: nothing is lost
-        assert all(b.residual is not None for b in buckets if b.compressed)
     # One more step: the average lives in each bucket's buffer until opt.zero_grad().
     x, y = w.batch(0, 99)
     torch.nn.functional.mse_loss(model(x), y).backward()
