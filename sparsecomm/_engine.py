@@ -327,6 +327,9 @@ class BucketEngine:
             for member, param in enumerate(bucket.params):
                 self.member_of[id(param)] = (bucket, member)
         self.next_launch = 0  # buckets before this index have launched this step
+        #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
+        #: None: on CUDA only (:meth:`gather`).
+        self.defer_copies: bool | None = None
         #: Seconds spent compressing this step (set when ``timed``).
         self.compress_seconds = 0.0
 
@@ -342,8 +345,13 @@ class BucketEngine:
         grad = param.grad
         bucket.gradient_buffer()
         target = bucket.grad_views[member]
+        # On a CPU the copy is the work, best done while the gradient is hot in cache.
+        defer = target.is_cuda if self.defer_copies is None else self.defer_copies
         if grad is None:
-            bucket.to_zero.append(member)
+            if defer:
+                bucket.to_zero.append(member)
+            else:
+                target.zero_()
         else:
             if grad.is_sparse:
                 raise TypeError(
@@ -352,17 +360,21 @@ class BucketEngine:
                 )
             # Autograd accumulated into the bucket itself unless it allocated anew.
             if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
-                bucket.to_copy.append(member)
+                if defer:
+                    bucket.to_copy.append(member)
+                else:
+                    target.copy_(grad)
             bucket.used[member] = True
         bucket.filled[member] = True
         bucket.pending -= 1
 
     @staticmethod
     def gather(bucket: Bucket) -> None:
-        """Copy the gradients that :meth:`fill` found outside the bucket into it, and zero
-        the members without one: one foreach launch each per bucket, not one per member
-        (host time per parameter is what a model of many tensors pays for). The copy reads
-        ``.grad`` as it is now."""
+        """On CUDA, copy the gradients that :meth:`fill` found outside the bucket into it,
+        and zero the members without one: one foreach launch each per bucket, not one per
+        member (host time per parameter is what a model of many tensors pays for). The copy
+        reads ``.grad`` as it is now. On a CPU, :meth:`fill` copies at once, while the
+        gradient is still in cache."""
         if bucket.to_copy:
             views, params = bucket.grad_views, bucket.params
             torch._foreach_copy_(

@@ -10,6 +10,7 @@ import torch
 from _dist import run_ranks
 
 import sparsecomm
+from sparsecomm import _engine
 
 COMPRESSORS = [
     sparsecomm.Dense(),
@@ -222,3 +223,37 @@ def test_zero_grad_releases_the_gradient_buffers_and_keeps_the_bits(compressor):
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert all(a() is None for a in averages), "a released buffer is still alive"
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.float16)])
+def test_gradients_copied_at_launch_give_the_bits_of_copies_on_arrival(compressor, monkeypatch):
+    """The CUDA path copies a bucket's gradients with one foreach call at its launch; here
+    forced on a CPU against copies as each gradient arrives, with a layer that has no
+    gradient every other step (its members are zeroed the same way). Buffers allocated
+    anew are poisoned with NaN, so a member left unwritten would be refused."""
+    allocate = _engine.Bucket.gradient_buffer
+
+    def poisoned(bucket):
+        fresh = bucket.grad_buffer is None
+        buffer = allocate(bucket)
+        if fresh:
+            buffer.fill_(float("nan"))
+        return buffer
+
+    monkeypatch.setattr(_engine.Bucket, "gradient_buffer", poisoned)
+    results = []
+    for defer in (False, True):
+        model = w.make_model()
+        opt = w.wrap(model, compressor)
+        opt._engine.defer_copies = defer
+        for step in range(6):
+            x, y = w.batch(0, step)
+            if step % 2:
+                out = model(x)
+            else:  # the first layer has no gradient
+                out = model[2:](x.sum(1, keepdim=True).expand(-1, w.HIDDEN))
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=step % 3 != 0)
+        results.append(w.flat(model))
+    assert torch.equal(results[0], results[1]), _diff(results[0], results[1])
