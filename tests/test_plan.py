@@ -736,6 +736,22 @@ def test_planner_check_fits_the_overlap_and_reads_the_host_bandwidth():
     assert "p20-p80" in check["how"] and "pick p20 <= fastest p80" in check["how"]
 
 
+@pytest.mark.parametrize(
+    "run", ["network_rounds_1647.json", "network_rounds_1719.json", "network_rounds_1729.json"]
+)
+def test_planner_picks_the_fastest_on_runs_it_was_not_fitted_to(run):
+    """Three later runs of bench_network.py with the rows taking turns (--rounds 3; per-rank
+    data stripped), after the planner was fitted to the run above: at every rate its pick
+    is the measured fastest sparsecomm row or within that row's p20-p80 range."""
+    bench = _bench_network()
+    results = json.loads((REPO / "tests" / "data" / run).read_text())
+    check = bench.planner_check(results)
+    assert [item["rate"] for item in check["rates"]] == ["unshaped", "1gbit", "300mbit"]
+    for item in check["rates"]:
+        assert item["agree"] == "yes", item
+        assert item["recommended"] in ("TopK(0.001)", "TopK(0.01)", "Threshold(t)"), item
+
+
 # --------------------------------------------------------------------------- model properties
 
 PROPERTY_CASES = [
