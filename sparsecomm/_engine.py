@@ -3,9 +3,11 @@ while backward runs, and finished (waited for, averaged) when the optimizer step
 
 One bucket's life in a step:
 
-1. **fill**: each member parameter's gradient lands in the bucket's ``grad_buffer``. An
-   fp32 parameter's ``.grad`` is a view of that buffer, so autograd accumulates straight
-   into it; a gradient that autograd allocated anew (after ``zero_grad()``) is copied once.
+1. **fill**: each member parameter's gradient lands in the bucket's ``grad_buffer``. After
+   a step an fp32 parameter's ``.grad`` is a view of that buffer, so a backward after
+   ``zero_grad(set_to_none=False)`` accumulates straight into it; a gradient that autograd
+   allocated anew (after ``zero_grad()``) is copied once: on a CPU as it arrives, on CUDA
+   with one foreach copy when the bucket's last gradient has arrived.
    ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
    views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
    so that between steps a bucket holds only its residual, as DDP holds only its buckets
@@ -67,12 +69,13 @@ class Bucket:
             the bucket keeps none.
         grad_views, residual_views: per member, its view of ``grad_buffer`` and of
             ``residual``, made once (they swap with the buffers).
-        filled: per member, whether its gradient is in ``grad_buffer`` this step.
+        filled: per member, whether its gradient was taken this step (in ``grad_buffer``,
+            or in ``to_copy`` / ``to_zero`` until the bucket is complete).
         used: per member, whether it had a gradient on this rank this step.
         pending: members not filled yet this step.
-        to_copy, to_zero: filled members whose gradient is still to be copied into
-            ``grad_buffer`` (autograd allocated it elsewhere), or zeroed there (it had
-            none), at launch (:meth:`BucketEngine.gather`).
+        to_copy, to_zero: on CUDA, filled members (with the gradient autograd allocated
+            elsewhere) still to be copied into ``grad_buffer``, or zeroed there (they had
+            none), once the last member is filled (:meth:`BucketEngine.gather`).
         exchange: the bucket's message in flight, once launched this step.
         velocity: float32 momentum-correction velocity, or None without momentum
             correction.
@@ -91,7 +94,7 @@ class Bucket:
     filled: list[bool] = field(default_factory=list)
     used: list[bool] = field(default_factory=list)
     pending: int = 0
-    to_copy: list[int] = field(default_factory=list)
+    to_copy: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     to_zero: list[int] = field(default_factory=list)
     exchange: Exchange | None = None
     velocity: torch.Tensor | None = None
@@ -215,17 +218,18 @@ class CompressGraphs:
     :meth:`graph_signature`) is seen, so that Triton compiles; captured the second time;
     replayed from then on. A bucket keeps the graphs of its two latest keys: a key seen once
     (a schedule changing ``k`` every step, a DDP bucket rebuilt) is never captured, and
-    older keys' graphs are dropped, and a bucket captured :attr:`MAX_CAPTURES` times
-    compresses eagerly from then on. All graphs share one
+    older keys' graphs are dropped, and a bucket captured :attr:`MAX_CAPTURES` times in a
+    row without replaying one of them compresses eagerly from then on (so does every bucket
+    once a capture failed). All graphs share one
     memory pool; they replay one after the other on one stream, so their scratch can
     overlap, and what they output stays allocated with them (their messages are kept). A
     message as large as the bucket (``Cast``'s) goes into one wire buffer per bucket
     (:meth:`~sparsecomm.compressors.Compressor.wire_buffer`), shared by the graphs of both
     buffer pairings, so that graphs cost no more memory than eager compression."""
 
-    #: Captures per bucket before it compresses eagerly for good: buffers whose addresses
-    #: keep changing (reallocated every step and not handed back at the same place) would
-    #: otherwise be captured again and again.
+    #: Captures in a row without a replay before a bucket compresses eagerly for good:
+    #: buffers whose addresses keep changing (reallocated every step and not handed back at
+    #: the same place) would otherwise be captured again and again.
     MAX_CAPTURES = 8
 
     def __init__(self):
@@ -237,6 +241,10 @@ class CompressGraphs:
         self.captures_of: dict[int, int] = {}  # per bucket, graphs captured so far
         #: Compressions replayed from a graph (a counter for tests and benchmarks).
         self.replays = 0
+
+    def active(self, owner: int) -> bool:
+        """Whether the graphs still capture for bucket ``owner`` (see :attr:`MAX_CAPTURES`)."""
+        return not self.failed and self.captures_of.get(owner, 0) < self.MAX_CAPTURES
 
     def compress(
         self, compressor: Compressor, grad: torch.Tensor, residual: torch.Tensor | None,
@@ -254,14 +262,18 @@ class CompressGraphs:
             return compressor.compress(grad, residual, world_size)
         entry = self.graphs.get(key)
         if entry is None:
-            captures = self.captures_of.get(owner, 0)
-            if self.failed or captures >= self.MAX_CAPTURES:
+            if not self.active(owner):
                 return compressor.compress(grad, residual, world_size)
-            self.captures_of[owner] = captures + 1
+            self.captures_of[owner] = self.captures_of.get(owner, 0) + 1
+            if not self.active(owner):  # capturing does not pay here: stop, free its graphs
+                for old in self.keys_of.pop(owner, []):
+                    self.graphs.pop(old, None)
+                return compressor.compress(grad, residual, world_size)
             return self._capture(compressor, grad, residual, world_size, key, owner)
         graph, captured = entry
         graph.replay()
         self.replays += 1
+        self.captures_of[owner] = 0  # the graphs pay: keep capturing for this bucket
         return dataclasses.replace(captured)  # the same tensors, fresh bookkeeping
 
     def _capture(self, compressor, grad, residual, world_size, key, owner) -> Message:
@@ -340,7 +352,8 @@ class BucketEngine:
     # ---------------------------------------------------------------- fill
 
     def fill(self, bucket: Bucket, member: int) -> None:
-        """Put the member's current ``.grad`` (``None``: zeros) into the bucket."""
+        """Put the member's current ``.grad`` (``None``: zeros) into the bucket. On CUDA
+        the copies wait until the bucket's last member is filled (:meth:`gather`)."""
         param = bucket.params[member]
         grad = param.grad
         bucket.gradient_buffer()
@@ -361,29 +374,41 @@ class BucketEngine:
             # Autograd accumulated into the bucket itself unless it allocated anew.
             if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
                 if defer:
-                    bucket.to_copy.append(member)
+                    bucket.to_copy.append((member, grad))
                 else:
                     target.copy_(grad)
+                    self._hand_over(bucket, member)
             bucket.used[member] = True
         bucket.filled[member] = True
         bucket.pending -= 1
+        if not bucket.pending:
+            self.gather(bucket)
 
-    @staticmethod
-    def gather(bucket: Bucket) -> None:
-        """On CUDA, copy the gradients that :meth:`fill` found outside the bucket into it,
-        and zero the members without one: one foreach launch each per bucket, not one per
-        member (host time per parameter is what a model of many tensors pays for). The copy
-        reads ``.grad`` as it is now. On a CPU, :meth:`fill` copies at once, while the
-        gradient is still in cache."""
+    def gather(self, bucket: Bucket) -> None:
+        """Copy the gradients that :meth:`fill` deferred into the bucket, and zero the
+        members it found without one: one foreach launch each per bucket, not one per
+        member (host time per parameter is what a model of many tensors pays for). Runs
+        when the bucket's last member is filled, so at most about one bucket's gradients
+        stay allocated outside the buckets."""
         if bucket.to_copy:
-            views, params = bucket.grad_views, bucket.params
+            views = bucket.grad_views
             torch._foreach_copy_(
-                [views[m] for m in bucket.to_copy], [params[m].grad for m in bucket.to_copy]
+                [views[m] for m, _ in bucket.to_copy], [grad for _, grad in bucket.to_copy]
             )
+            for member, _ in bucket.to_copy:
+                self._hand_over(bucket, member)
             bucket.to_copy = []
         if bucket.to_zero:
             torch._foreach_zero_([bucket.grad_views[m] for m in bucket.to_zero])
             bucket.to_zero = []
+
+    @staticmethod
+    def _hand_over(bucket: Bucket, member: int) -> None:
+        """The gradient is in the bucket now: an fp32 member's ``.grad`` becomes its view
+        (autograd's own tensor is freed, and a later backward accumulates in place)."""
+        param = bucket.params[member]
+        if param.dtype == torch.float32:
+            param.grad = bucket.grad_views[member]
 
     def fill_from_hook(self, param: torch.Tensor) -> bool:
         """A gradient arrived during backward: fill it in, launch what is ready. Returns
@@ -432,7 +457,6 @@ class BucketEngine:
     def _launch(self, bucket: Bucket) -> None:
         compressor = self.compressor_of(bucket)
         started = self.comm.clock(bucket.device)
-        self.gather(bucket)
         if bucket.velocity is not None:
             # u' = grad + momentum * u, in the gradient buffer (what is compressed) and in
             # next_velocity (kept until finish); u itself stays as it was.
@@ -445,7 +469,7 @@ class BucketEngine:
             # grad_buffer, the old one stays as it was.
             source, target = bucket.residual, bucket.grad_buffer
         signature = None
-        if self.graphed(bucket, compressor):
+        if self.graphed(bucket, compressor, self.next_launch):
             signature = compressor.graph_signature(bucket.numel)
         if signature is None:
             message = compressor.compress(source, target, self.comm.world_size)
@@ -511,19 +535,21 @@ class BucketEngine:
         fixed addresses, and a buffer allocated anew every step lands elsewhere (measured
         on an H200: graphs then replayed in under half the steps, and each miss cost a
         capture)."""
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             if bucket.exchange is not None or bucket.pending != len(bucket.params):
                 continue
             if bucket.residual is None:
                 continue
-            if not self.graphed(bucket, self.compressor_of(bucket)):
+            if not self.graphed(bucket, self.compressor_of(bucket), index):
                 bucket.release()
 
-    def graphed(self, bucket: Bucket, compressor: Compressor) -> bool:
-        """Whether the bucket's compression goes through :class:`CompressGraphs`."""
+    def graphed(self, bucket: Bucket, compressor: Compressor, index: int) -> bool:
+        """Whether the bucket (the ``index``-th) goes through :class:`CompressGraphs`: on
+        CUDA, with a compressor that graphs, while the graphs still capture for it."""
         return (
             self.graphs is not None
             and bucket.device.type == "cuda"
+            and self.graphs.active(index)
             and compressor.graph_signature(bucket.numel) is not None
         )
 

@@ -104,3 +104,28 @@ def test_cast_captures_write_into_one_wire_buffer_per_bucket(monkeypatch):
     assert eager == [None, None]
     assert captured[0] is captured[1] is not None  # both pairings share the buffer
     assert captured[0].dtype == torch.bfloat16 and captured[0].numel() == 64
+
+
+def test_a_bucket_whose_buffers_keep_moving_stops_capturing(monkeypatch):
+    """Buffers at new addresses every step (each key seen twice, then never again): after
+    MAX_CAPTURES - 1 captures without a replay the bucket compresses eagerly and its
+    graphs are freed; a replay in between resets the count."""
+    captures = fake_cuda(monkeypatch)
+    graphs, compressor = CompressGraphs(), Counting(0.1)
+    signature = compressor.graph_signature(100)
+    for _ in range(CompressGraphs.MAX_CAPTURES + 3):
+        g, r = torch.randn(100), torch.randn(100)  # new addresses
+        for _ in range(2):  # seen once (eager), then captured
+            graphs.compress(compressor, g, r, 1, signature, owner=0)
+    assert len(captures) == CompressGraphs.MAX_CAPTURES - 1
+    assert not graphs.active(0) and graphs.active(1)
+    assert not any(key in graphs.graphs for key in graphs.keys_of.get(0, []))
+    assert graphs.graphs == {}
+    # Another bucket that replays keeps capturing past the count.
+    graphs2 = CompressGraphs()
+    g, r = torch.randn(100), torch.randn(100)
+    for step in range(3 * CompressGraphs.MAX_CAPTURES):
+        if step % 3 == 0:
+            g, r = torch.randn(100), torch.randn(100)
+        graphs2.compress(compressor, g, r, 1, signature, owner=0)
+    assert graphs2.active(0) and graphs2.replays >= CompressGraphs.MAX_CAPTURES
