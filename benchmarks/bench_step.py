@@ -490,7 +490,7 @@ def interleaved(results: list[Result], workload: Workload, args, device, out_of_
             result.sent = built[result.name].sent_bytes()
             graphs = getattr(getattr(built[result.name].optimizer, "_engine", None), "graphs", None)
             if graphs is not None and rank == 0:
-                captures = sum(graphs.captures_of.values())
+                captures = graphs.captured
                 print(f"# {result.name}: {graphs.replays} graph replays, {captures} captures")
             if args.shares and is_sparsecomm(result.name):
                 guarded(

@@ -239,8 +239,10 @@ class CompressGraphs:
         self.wire_buffers: dict[tuple, torch.Tensor | None] = {}
         self.failed = False
         self.captures_of: dict[int, int] = {}  # per bucket, graphs captured so far
-        #: Compressions replayed from a graph (a counter for tests and benchmarks).
+        #: Compressions replayed from a graph, and graphs captured (counters for tests and
+        #: benchmarks).
         self.replays = 0
+        self.captured = 0
 
     def active(self, owner: int) -> bool:
         """Whether the graphs still capture for bucket ``owner`` (see :attr:`MAX_CAPTURES`)."""
@@ -300,6 +302,7 @@ class CompressGraphs:
             )
             return compressor.compress(grad, residual, world_size)
         self.graphs[key] = (graph, message)
+        self.captured += 1
         graph.replay()  # capturing ran nothing
         self.replays += 1
         return dataclasses.replace(message)

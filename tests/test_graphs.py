@@ -117,7 +117,7 @@ def test_a_bucket_whose_buffers_keep_moving_stops_capturing(monkeypatch):
         g, r = torch.randn(100), torch.randn(100)  # new addresses
         for _ in range(2):  # seen once (eager), then captured
             graphs.compress(compressor, g, r, 1, signature, owner=0)
-    assert len(captures) == CompressGraphs.MAX_CAPTURES - 1
+    assert len(captures) == graphs.captured == CompressGraphs.MAX_CAPTURES - 1
     assert not graphs.active(0) and graphs.active(1)
     assert not any(key in graphs.graphs for key in graphs.keys_of.get(0, []))
     assert graphs.graphs == {}
