@@ -711,8 +711,12 @@ def merge_rounds(first: dict, later: dict) -> dict:
     merged["round_medians"] = first.get("round_medians", [first["step_s"]["median"]]) + [
         later["step_s"]["median"]
     ]
+    # Each round's phase medians, and their median over the rounds so far.
+    merged["round_phases_s"] = first.get("round_phases_s", [first["phases_s"]]) + [
+        later["phases_s"]
+    ]
     merged["phases_s"] = {
-        phase: statistics.median([first["phases_s"][phase], later["phases_s"][phase]])
+        phase: statistics.median(r[phase] for r in merged["round_phases_s"])
         for phase in first["phases_s"]
     }
     merged["wall_s"] = first["wall_s"] + later["wall_s"]

@@ -248,6 +248,17 @@ class CompressGraphs:
         """Whether the graphs still capture for bucket ``owner`` (see :attr:`MAX_CAPTURES`)."""
         return not self.failed and self.captures_of.get(owner, 0) < self.MAX_CAPTURES
 
+    def signature(
+        self, compressor: Compressor, device: torch.device, numel: int, owner: int
+    ) -> tuple | None:
+        """The compressor's :meth:`~sparsecomm.compressors.Compressor.graph_signature` for
+        bucket ``owner`` of ``numel`` elements on ``device``, or None where its compression
+        runs eagerly: off CUDA, a compressor that does not graph, or a bucket the graphs
+        gave up on (:meth:`active`)."""
+        if device.type != "cuda" or not self.active(owner):
+            return None
+        return compressor.graph_signature(numel)
+
     def compress(
         self, compressor: Compressor, grad: torch.Tensor, residual: torch.Tensor | None,
         world_size: int, signature: tuple, owner: int,
@@ -471,9 +482,7 @@ class BucketEngine:
             # Reversed on purpose (see the module docstring): the new residual goes into
             # grad_buffer, the old one stays as it was.
             source, target = bucket.residual, bucket.grad_buffer
-        signature = None
-        if self.graphed(bucket, compressor, self.next_launch):
-            signature = compressor.graph_signature(bucket.numel)
+        signature = self.graph_signature(bucket, compressor, self.next_launch)
         if signature is None:
             message = compressor.compress(source, target, self.comm.world_size)
         else:
@@ -543,18 +552,15 @@ class BucketEngine:
                 continue
             if bucket.residual is None:
                 continue
-            if not self.graphed(bucket, self.compressor_of(bucket), index):
+            if self.graph_signature(bucket, self.compressor_of(bucket), index) is None:
                 bucket.release()
 
-    def graphed(self, bucket: Bucket, compressor: Compressor, index: int) -> bool:
-        """Whether the bucket (the ``index``-th) goes through :class:`CompressGraphs`: on
-        CUDA, with a compressor that graphs, while the graphs still capture for it."""
-        return (
-            self.graphs is not None
-            and bucket.device.type == "cuda"
-            and self.graphs.active(index)
-            and compressor.graph_signature(bucket.numel) is not None
-        )
+    def graph_signature(self, bucket: Bucket, compressor: Compressor, index: int):
+        """The signature under which the ``index``-th bucket is compressed from CUDA graphs
+        (:meth:`CompressGraphs.signature`), or None: eagerly."""
+        if self.graphs is None:
+            return None
+        return self.graphs.signature(compressor, bucket.device, bucket.numel, index)
 
     def _commit_velocity(self, bucket: Bucket, message, used: list[bool]) -> None:
         """Momentum factor masking, then make this step's velocity the current one.

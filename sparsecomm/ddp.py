@@ -260,8 +260,8 @@ def _compressed_hook(state, bucket):
     if state.error_feedback and compressor.keeps_residual:
         residual = state._residual_for(bucket, grad)
     signature = None
-    if state.graphs is not None and grad.is_cuda:
-        signature = compressor.graph_signature(grad.numel())
+    if state.graphs is not None:
+        signature = state.graphs.signature(compressor, grad.device, grad.numel(), index)
     if signature is None:
         message = compressor.compress(grad, residual, state.comm.world_size)
     else:

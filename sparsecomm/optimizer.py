@@ -298,10 +298,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Zero (or, by default, drop) every parameter's ``.grad``, as
         ``torch.optim.Optimizer.zero_grad`` does over the shared ``param_groups`` (a
         wrapped optimizer's own ``zero_grad`` override is not called). With
-        ``set_to_none=True`` (the default) the flat
-        gradient buffers of buckets with an error-feedback residual are dropped as well,
-        so that between steps only the residuals stay allocated (as DDP keeps only its
-        buckets); the next backward allocates them again as its gradients arrive.
+        ``set_to_none=True`` (the default) the flat gradient buffers of buckets with an
+        error-feedback residual are dropped as well, so that between steps only the
+        residuals stay allocated (as DDP keeps only its buckets); the next backward
+        allocates them again as its gradients arrive.
         Buckets compressed from CUDA graphs (``cuda_graphs=True``, ``TopK`` and ``Cast``
         on CUDA, while their graphs replay) keep theirs: a graph needs fixed addresses;
         ``cuda_graphs=False`` trades that speed for the memory. Zeroing ``.grad`` another

@@ -136,6 +136,22 @@ def test_cuda_nonfinite_gradient_during_backward_raises_and_keeps_residual():
     assert torch.equal(residual, opt.residual(model[0].weight))
 
 
+def _train_ddp_hook_cuda(compressor, steps: int, **hook_kwargs):
+    """DDP (one NCCL rank, small buckets) with sparsecomm's hook, SGD on the tests' small
+    model for ``steps`` steps: the final parameters (on the CPU) and the hook state."""
+    model = _workers.make_model(seed=0).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state, hook = sparsecomm.ddp_comm_hook(compressor, **hook_kwargs)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = (t.cuda() for t in _workers.batch(0, step))
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _workers.flat_params(model).cpu(), state
+
+
 def test_cuda_ddp_hook_runs_on_nccl(tmp_path):
     """World size 1 over NCCL, every compressor: DDP with the hook trains (parameters move,
     stay finite), the hook counts its bytes, and its residuals live on the GPU."""
@@ -144,18 +160,8 @@ def test_cuda_ddp_hook_runs_on_nccl(tmp_path):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         for compressor in COMPRESSORS:
-            model = _workers.make_model(seed=0).cuda()
-            start = _workers.flat_params(model).cpu()
-            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
-            state, hook = sparsecomm.ddp_comm_hook(compressor)
-            ddp.register_comm_hook(state, hook)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-            for step in range(4):
-                x, y = (t.cuda() for t in _workers.batch(0, step))
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            end = _workers.flat_params(model).cpu()
+            start = _workers.flat_params(_workers.make_model(seed=0))
+            end, state = _train_ddp_hook_cuda(compressor, steps=4)
             assert torch.isfinite(end).all() and not torch.equal(start, end), compressor
             assert state.last_bytes_sent > 0, compressor
             assert all(r.is_cuda for r in state.residuals.values()), compressor
@@ -256,17 +262,8 @@ def test_cuda_ddp_hook_graphs_give_eager_bits(tmp_path):
         for compressor in (sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16)):
             ends, states = [], []
             for cuda_graphs in (False, True):
-                model = _workers.make_model(seed=0).cuda()
-                ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
-                state, hook = sparsecomm.ddp_comm_hook(compressor, cuda_graphs=cuda_graphs)
-                ddp.register_comm_hook(state, hook)
-                opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-                for step in range(8):
-                    x, y = (t.cuda() for t in _workers.batch(0, step))
-                    torch.nn.functional.mse_loss(ddp(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                ends.append(_workers.flat_params(model).cpu())
+                end, state = _train_ddp_hook_cuda(compressor, steps=8, cuda_graphs=cuda_graphs)
+                ends.append(end)
                 states.append(state)
             assert states[0].graphs is None and states[1].graphs.replays > 0, compressor
             assert torch.equal(ends[0].view(torch.int32), ends[1].view(torch.int32)), compressor
