@@ -183,8 +183,13 @@ class DDPCommHookState:
     def _residual_for(self, bucket, grad: torch.Tensor) -> torch.Tensor:
         index = bucket.index()
         layout = self._layout_of(bucket)
-        if self._layouts.get(index) != layout:  # first sight, or DDP rebuilt its buckets
-            self._loosen_all()
+        known = self._layouts.get(index)
+        if known != layout:
+            if known is not None:
+                # DDP rebuilt its buckets: every residual goes into per-parameter pieces,
+                # and each bucket takes its own back at its first sight after (the branch
+                # below, once per bucket, not once per bucket and step).
+                self._loosen_all()
             pieces = []
             for key, numel in layout:
                 piece = self._loose.pop(key, None)

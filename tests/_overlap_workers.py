@@ -147,6 +147,24 @@ def ddp_hook_in_sync(rank, world_size, compressor, steps):
     return flat(model), state.last_bytes_sent, state.iteration
 
 
+def ddp_hook_residual_buffers(rank, world_size, compressor, steps):
+    """Each DDP bucket's residual tensor (its address) after every step: after DDP's bucket
+    rebuild each bucket keeps one residual, not a new one each step."""
+    model = make_model()
+    state, hook = sparsecomm.ddp_comm_hook(compressor)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    addresses = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        addresses.append({i: r.data_ptr() for i, r in state.residuals.items()})
+    return addresses
+
+
 def ddp_hook_dense_matches_ddp(rank, world_size, steps):
     plain, hooked = make_model(), make_model()
     _ddp_train(rank, plain, None, steps)

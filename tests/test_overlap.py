@@ -69,6 +69,15 @@ def test_ddp_hook_keeps_ranks_in_sync(compressor):
         assert bytes0 < dense_bytes
 
 
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.bfloat16)])
+def test_ddp_hook_keeps_one_residual_per_bucket_after_the_rebuild(compressor):
+    # Before the fix every bucket after the first took its layout for a rebuild, split all
+    # residuals into pieces and concatenated its own anew: a copy per bucket and step.
+    for addresses in run_ranks(w.ddp_hook_residual_buffers, 2, compressor, 6):
+        assert len(addresses[-1]) > 1  # several DDP buckets
+        assert addresses[2] == addresses[3] == addresses[4] == addresses[5], addresses
+
+
 def test_ddp_hook_dense_matches_ddp():
     for plain, hooked in run_ranks(w.ddp_hook_dense_matches_ddp, 2, 4):
         torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
