@@ -737,10 +737,16 @@ def test_planner_check_fits_the_overlap_and_reads_the_host_bandwidth():
 
 
 @pytest.mark.parametrize(
-    "run", ["network_rounds_1647.json", "network_rounds_1719.json", "network_rounds_1729.json"]
+    "run",
+    [
+        "network_rounds_1647.json",
+        "network_rounds_1719.json",
+        "network_rounds_1729.json",
+        "network_rounds_1836.json",
+    ],
 )
 def test_planner_picks_the_fastest_on_runs_it_was_not_fitted_to(run):
-    """Three later runs of bench_network.py with the rows taking turns (--rounds 3; per-rank
+    """Later runs of bench_network.py with the rows taking turns (--rounds 3; per-rank
     data stripped), after the planner was fitted to the run above: at every rate its pick
     is the measured fastest sparsecomm row or within that row's p20-p80 range."""
     bench = _bench_network()
