@@ -7,16 +7,20 @@ One bucket's life in a step:
    a step an fp32 parameter's ``.grad`` is a view of that buffer, so a backward after
    ``zero_grad(set_to_none=False)`` accumulates straight into it; a gradient that autograd
    allocated anew (after ``zero_grad()``) is copied once: on a CPU as it arrives, on CUDA
-   with one foreach copy when the bucket's last gradient has arrived.
+   with one foreach copy when the bucket's last gradient has arrived; a bucket of one
+   parameter (on CUDA, of at least :data:`ADOPT_MIN_CUDA_NUMEL` elements) takes autograd's
+   tensor as its buffer instead, with no copy.
    ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
    views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
    so that between steps a bucket holds only its residual, as DDP holds only its buckets
    (a bucket without a residual keeps its one buffer; so does a bucket compressed from a
    CUDA graph, which needs fixed addresses).
 2. **launch**: when the last member is filled and every earlier bucket has launched, the
-   bucket is compressed and its collective started (``async_op=True``). Buckets launch in
-   one fixed order on every rank, whatever order their gradients arrive in, so the ranks'
-   collectives always match.
+   bucket is compressed and its collective started (``async_op=True``), on CUDA from a
+   side stream that waits for the gradients and then runs beside the rest of backward
+   (:meth:`BucketEngine.join` makes the current stream wait for it when backward ends).
+   Buckets launch in one fixed order on every rank, whatever order their gradients arrive
+   in, so the ranks' collectives always match.
 3. **finish**: wait for the collective and write the average.
 
 Error feedback without a copy: the compressors compute ``acc = grad + residual`` and write
@@ -53,6 +57,13 @@ from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages ind
 
 _DENSE = Dense()
 
+# A bucket of one parameter takes autograd's gradient as its buffer (no copy) on a CPU
+# always, and on CUDA from this many elements on: such a bucket compresses eagerly (a CUDA
+# graph needs fixed addresses, and autograd's tensor is new every step), which costs a
+# dozen kernel launches from Python, small beside kernels over 4M elements. (H200, 1e9
+# parameters in 60 buckets of 16.8M: the copies were 2.2 ms of a 35 ms step.)
+ADOPT_MIN_CUDA_NUMEL = 1 << 22
+
 
 @dataclass
 class Bucket:
@@ -80,6 +91,8 @@ class Bucket:
         velocity: float32 momentum-correction velocity, or None without momentum
             correction.
         next_velocity: float32 scratch holding this step's velocity until finish.
+        adopts: a bucket of one parameter that takes the gradient autograd produced as
+            its gradient buffer instead of copying it (:meth:`adopt`).
     """
 
     positions: list[int] = field(default_factory=list)
@@ -99,6 +112,7 @@ class Bucket:
     exchange: Exchange | None = None
     velocity: torch.Tensor | None = None
     next_velocity: torch.Tensor | None = None
+    adopts: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -142,6 +156,12 @@ class Bucket:
             self.grad_buffer = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             self.grad_views = self.views_of(self.grad_buffer)
         return self.grad_buffer
+
+    def adopt(self, grad: torch.Tensor) -> None:
+        """Make ``grad`` (the member's whole gradient, float32, contiguous, owning its
+        storage) the gradient buffer: no copy. The old buffer, if any, is dropped."""
+        self.grad_buffer = grad.view(-1)
+        self.grad_views = self.views_of(self.grad_buffer)
 
     def swap(self) -> None:
         """The residual buffer becomes the gradient buffer and the other way round."""
@@ -352,10 +372,18 @@ class BucketEngine:
         for bucket in buckets:
             for member, param in enumerate(bucket.params):
                 self.member_of[id(param)] = (bucket, member)
+        for bucket in buckets:
+            bucket.adopts = len(bucket.params) == 1 and (
+                bucket.device.type != "cuda" or bucket.numel >= ADOPT_MIN_CUDA_NUMEL
+            )
         self.next_launch = 0  # buckets before this index have launched this step
         #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
         #: None: on CUDA only (:meth:`gather`).
         self.defer_copies: bool | None = None
+        #: Run a CUDA bucket's copies, compression and collective launch on a side stream,
+        #: so that they overlap the rest of backward (False: on the current stream).
+        self.side_stream = True
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
         #: Seconds spent compressing this step (set when ``timed``).
         self.compress_seconds = 0.0
 
@@ -365,11 +393,20 @@ class BucketEngine:
 
     # ---------------------------------------------------------------- fill
 
-    def fill(self, bucket: Bucket, member: int) -> None:
+    def fill(self, bucket: Bucket, member: int, adopt: bool = False) -> None:
         """Put the member's current ``.grad`` (``None``: zeros) into the bucket. On CUDA
-        the copies wait until the bucket's last member is filled (:meth:`gather`)."""
+        the copies wait until the bucket's last member is filled (:meth:`gather`). With
+        ``adopt`` (a gradient autograd just produced), a bucket that :attr:`~Bucket.adopts`
+        takes the gradient tensor itself as its buffer."""
         param = bucket.params[member]
         grad = param.grad
+        if adopt and bucket.adopts and _adoptable(grad, bucket):
+            bucket.adopt(grad)
+            self._hand_over(bucket, member)
+            bucket.used[member] = True
+            bucket.filled[member] = True
+            bucket.pending -= 1
+            return
         bucket.gradient_buffer()
         target = bucket.grad_views[member]
         # On a CPU the copy is the work, best done while the gradient is hot in cache.
@@ -404,17 +441,41 @@ class BucketEngine:
         member (host time per parameter is what a model of many tensors pays for). Runs
         when the bucket's last member is filled, so at most about one bucket's gradients
         stay allocated outside the buckets."""
-        if bucket.to_copy:
-            views = bucket.grad_views
-            torch._foreach_copy_(
-                [views[m] for m, _ in bucket.to_copy], [grad for _, grad in bucket.to_copy]
-            )
-            for member, _ in bucket.to_copy:
-                self._hand_over(bucket, member)
-            bucket.to_copy = []
-        if bucket.to_zero:
-            torch._foreach_zero_([bucket.grad_views[m] for m in bucket.to_zero])
-            bucket.to_zero = []
+        stream = self._side(bucket)
+        with torch.cuda.stream(stream):
+            if bucket.to_copy:
+                views = bucket.grad_views
+                grads = [grad for _, grad in bucket.to_copy]
+                torch._foreach_copy_([views[m] for m, _ in bucket.to_copy], grads)
+                if stream is not None:  # autograd's tensors: freed only once copied
+                    for grad in grads:
+                        grad.record_stream(stream)
+                for member, _ in bucket.to_copy:
+                    self._hand_over(bucket, member)
+                bucket.to_copy = []
+            if bucket.to_zero:
+                torch._foreach_zero_([bucket.grad_views[m] for m in bucket.to_zero])
+                bucket.to_zero = []
+
+    def _side(self, bucket: Bucket) -> torch.cuda.Stream | None:
+        """The side stream for the bucket's work, made to wait for what the current stream
+        has queued (the gradients), or None: on a CPU, or with :attr:`side_stream` off.
+        :meth:`join` makes the current stream wait for it in turn."""
+        if not self.side_stream or bucket.device.type != "cuda":
+            return None
+        stream = self.streams.get(bucket.device)
+        if stream is None:
+            stream = self.streams[bucket.device] = torch.cuda.Stream(bucket.device)
+        stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        return stream
+
+    def join(self) -> None:
+        """Make the current stream wait for the side streams' work (every launch so far):
+        what follows (the step's agreement, the averages, the optimizer) reads it. Tensors
+        the side stream allocated and the current stream reads are freed only after a later
+        launch, which waits for the current stream first, so no stream reuses them early."""
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
 
     @staticmethod
     def _hand_over(bucket: Bucket, member: int) -> None:
@@ -437,7 +498,7 @@ class BucketEngine:
                 "backward ran again before step(). To accumulate gradients over several "
                 "backward passes, run all but the last inside `with opt.no_sync():`"
             )
-        self.fill(bucket, member)
+        self.fill(bucket, member, adopt=True)
         self.launch_ready()
         return True
 
@@ -467,8 +528,18 @@ class BucketEngine:
                 if not filled:
                     self.fill(bucket, member)
             self._launch(bucket)
+        self.join()
 
     def _launch(self, bucket: Bucket) -> None:
+        with torch.cuda.stream(self._side(bucket)):
+            self._compress_and_start(bucket)
+        self.next_launch += 1
+        # Until finish() the buffer holds scratch (the new residual, then the average):
+        # hide it from .grad so that nothing reads or scales it in place meanwhile.
+        for param in bucket.params:
+            param.grad = None
+
+    def _compress_and_start(self, bucket: Bucket) -> None:
         compressor = self.compressor_of(bucket)
         started = self.comm.clock(bucket.device)
         if bucket.velocity is not None:
@@ -491,11 +562,6 @@ class BucketEngine:
             )
         self.compress_seconds += self.comm.clock(bucket.device) - started
         bucket.exchange = compressor.start(message, self.comm)
-        self.next_launch += 1
-        # Until finish() the buffer holds scratch (the new residual, then the average):
-        # hide it from .grad so that nothing reads or scales it in place meanwhile.
-        for param in bucket.params:
-            param.grad = None
 
     # ---------------------------------------------------------------- finish
 
@@ -550,6 +616,9 @@ class BucketEngine:
         for index, bucket in enumerate(self.buckets):
             if bucket.exchange is not None or bucket.pending != len(bucket.params):
                 continue
+            if bucket.adopts:  # the next backward's gradient becomes its buffer
+                bucket.release()
+                continue
             if bucket.residual is None:
                 continue
             if self.graph_signature(bucket, self.compressor_of(bucket), index) is None:
@@ -558,7 +627,7 @@ class BucketEngine:
     def graph_signature(self, bucket: Bucket, compressor: Compressor, index: int):
         """The signature under which the ``index``-th bucket is compressed from CUDA graphs
         (:meth:`CompressGraphs.signature`), or None: eagerly."""
-        if self.graphs is None:
+        if self.graphs is None or bucket.adopts:
             return None
         return self.graphs.signature(compressor, bucket.device, bucket.numel, index)
 
@@ -584,3 +653,17 @@ class BucketEngine:
                 self.comm.wait(bucket.exchange.work)
             bucket.reset()
         self.next_launch = 0
+
+
+def _adoptable(grad: torch.Tensor | None, bucket: Bucket) -> bool:
+    """Whether ``grad`` can become the bucket's gradient buffer as it is: float32 on the
+    bucket's device, dense and contiguous, alone in its storage (not a view of something
+    larger), outside the autograd graph, and none of the bucket's own buffers."""
+    if grad is None or grad.dtype != torch.float32 or grad.device != bucket.device:
+        return False
+    if grad.is_sparse or grad.requires_grad or not grad.is_contiguous():
+        return False
+    if grad.storage_offset() != 0 or grad.untyped_storage().nbytes() != 4 * bucket.numel:
+        return False
+    own = (bucket.grad_buffer, bucket.residual, bucket.velocity, bucket.next_velocity)
+    return all(t is None or t.data_ptr() != grad.data_ptr() for t in own)

@@ -269,3 +269,44 @@ def test_cuda_ddp_hook_graphs_give_eager_bits(tmp_path):
             assert torch.equal(ends[0].view(torch.int32), ends[1].view(torch.int32)), compressor
     finally:
         dist.destroy_process_group()
+
+
+def _train_side_stream_cuda(compressor, side_stream: bool, steps: int = 6):
+    """A 2048x2048 layer (one bucket that adopts autograd's gradient) between small layers
+    (buckets that copy, compressed from CUDA graphs), with or without the side stream."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 2048),
+        torch.nn.Tanh(), torch.nn.Linear(2048, 8),
+    ).cuda()  # fmt: skip
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), compressor, bucket_cap_mb=1
+    )
+    opt._engine.side_stream = side_stream
+    big = opt._engine.member_of[id(model[2].weight)][0]
+    produced = []
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: produced.append(p.grad.data_ptr()))
+    adopted = 0
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 64, generator=generator), torch.randn(32, 8, generator=generator)
+        torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+        opt.step()
+        # Autograd's tensor is the bucket's buffer: its average (Dense), or its residual.
+        kept = [b.data_ptr() for b in (big.grad_buffer, big.residual) if b is not None]
+        adopted += produced[-1] in kept
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(), opt, adopted
+
+
+@pytest.mark.parametrize(
+    "compressor", [sparsecomm.Dense(), sparsecomm.Cast(torch.bfloat16), sparsecomm.TopK(0.01)],
+    ids=repr,
+)  # fmt: skip
+def test_cuda_side_stream_gives_the_bits_of_the_current_stream(compressor):
+    on, opt, adopted = _train_side_stream_cuda(compressor, side_stream=True)
+    off, opt_off, _ = _train_side_stream_cuda(compressor, side_stream=False)
+    assert opt._engine.streams and not opt_off._engine.streams
+    assert opt._engine.member_of[id(opt.param_groups[0]["params"][2])][0].adopts
+    assert adopted >= 4  # every step after the first, whose exchange runs in step()
+    assert torch.equal(on.view(torch.int32), off.view(torch.int32)), compressor

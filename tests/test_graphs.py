@@ -113,8 +113,10 @@ def test_a_bucket_whose_buffers_keep_moving_stops_capturing(monkeypatch):
     captures = fake_cuda(monkeypatch)
     graphs, compressor = CompressGraphs(), Counting(0.1)
     signature = compressor.graph_signature(100)
+    alive = []  # so that no buffer comes back at a freed one's address
     for _ in range(CompressGraphs.MAX_CAPTURES + 3):
         g, r = torch.randn(100), torch.randn(100)  # new addresses
+        alive += [g, r]
         for _ in range(2):  # seen once (eager), then captured
             graphs.compress(compressor, g, r, 1, signature, owner=0)
     assert len(captures) == graphs.captured == CompressGraphs.MAX_CAPTURES - 1

@@ -213,12 +213,14 @@ def test_zero_grad_releases_the_gradient_buffers_and_keeps_the_bits(compressor):
     model, opt = _train_zeroing(compressor, lambda m, o: o.zero_grad())
     assert torch.equal(w.flat(kept), w.flat(model)), _diff(w.flat(kept), w.flat(model))
     # Buckets with a residual hold two buffers (DDP one): their gradient buffer goes.
-    # The others (Dense, small parameters) hold one and keep it.
-    buckets = [b for b in opt._engine.buckets if b.residual is not None]
-    kept = [b for b in opt._engine.buckets if b.residual is None]
+    # The others (Dense, small parameters) hold one and keep it, unless they hold one
+    # parameter, whose next gradient autograd allocates and the bucket adopts.
+    buckets = [b for b in opt._engine.buckets if b.residual is not None or b.adopts]
+    kept = [b for b in opt._engine.buckets if b.residual is None and not b.adopts]
     assert all(b.grad_buffer is not None for b in kept)
+    assert all(b.grad_buffer is None for b in buckets)
     if isinstance(compressor, sparsecomm.Dense):
-        assert not buckets and kept
+        assert kept
         return
     assert len(buckets) > 1 and all(b.grad_buffer is None for b in buckets)
     # One more step: the average lives in each bucket's buffer until opt.zero_grad().
@@ -266,3 +268,58 @@ def test_gradients_copied_at_launch_give_the_bits_of_copies_on_arrival(compresso
             opt.zero_grad(set_to_none=step % 3 != 0)
         results.append(w.flat(model))
     assert torch.equal(results[0], results[1]), _diff(results[0], results[1])
+
+
+def _adopting_run(adopt: bool, steps: int = 5):
+    """Train two 48x48 layers, one weight per bucket, with TopK locally; record the
+    address of each gradient autograd produced and of each weight's residual after step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48))
+    weights = [model[0].weight, model[2].weight]
+    produced = {id(p): [] for p in weights}
+    for p in weights:  # registered first, so it runs before the optimizer's hook
+        p.register_post_accumulate_grad_hook(lambda p: produced[id(p)].append(p.grad.data_ptr()))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        sparsecomm.TopK(0.1),
+        bucket_cap_mb=48 * 48 * 4 / 2**20,
+    )
+    for bucket in opt._engine.buckets:
+        bucket.adopts = bucket.adopts and adopt
+    residuals = {id(p): [] for p in weights}
+    for step in range(steps):
+        x = torch.randn(16, 48, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for p in weights:
+            residuals[id(p)].append(opt._engine.member_of[id(p)][0].residual.data_ptr())
+    return model, opt, weights, produced, residuals
+
+
+def test_a_bucket_of_one_parameter_adopts_the_gradient_autograd_produced():
+    model, opt, weights, produced, residuals = _adopting_run(adopt=True)
+    assert all(opt._engine.member_of[id(p)][0].adopts for p in weights)
+    for p in weights:
+        # From the second step on (the first exchanges inside step()), the tensor autograd
+        # allocated became the bucket's buffer and, after the swap, its residual.
+        assert residuals[id(p)][1:] == produced[id(p)][1:]
+    copied, *_ = _adopting_run(adopt=False)
+    assert torch.equal(w.flat(model), w.flat(copied)), _diff(w.flat(model), w.flat(copied))
+
+
+def test_gradients_the_user_assigned_are_copied_not_adopted():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 48, bias=False)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1), sparsecomm.TopK(0.1)
+    )
+    assert opt._engine.buckets[0].adopts
+    for step in range(3):
+        grad = torch.randn(48, 48, generator=torch.Generator().manual_seed(step))
+        kept = grad.clone()
+        layer.weight.grad = grad
+        opt.step()
+        assert torch.equal(grad, kept), "step() wrote into a gradient the user owns"
+        assert opt._engine.buckets[0].residual.data_ptr() != grad.data_ptr()
+        opt.zero_grad()
