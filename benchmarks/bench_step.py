@@ -16,7 +16,10 @@ Variants (``--variants``, comma separated): ``none`` (the plain optimizer, no ex
 ``DDP`` (fp32), ``DDP+fp16`` (DDP with ``fp16_compress_hook``), a sparsecomm compressor
 wrapping the optimizer (``Dense()``, ``Cast(bf16)``, ``Cast(fp16)``, ``TopK(d)``,
 ``Threshold(t)``), and ``ddp+sc-<compressor>``: DDP with ``sparsecomm.ddp_comm_hook``
-(reported as skipped while sparsecomm has no ``ddp_comm_hook``).
+(reported as skipped while sparsecomm has no ``ddp_comm_hook``). A sparsecomm row may
+end in options, each after a ``/``: ``/stream`` (the engine's side CUDA stream), ``/noadopt``
+(buckets of one parameter copy their gradient instead of adopting it), ``/nographs``
+(``cuda_graphs=False``), e.g. ``TopK(0.01)/nographs/stream``.
 
 Each row builds a fresh model from the same seed, runs ``--warmup`` steps and times
 ``--steps`` (forward, backward, optimizer step, ``zero_grad``; the device synchronized
@@ -210,7 +213,20 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
+OPTIONS = ("stream", "noadopt", "nographs")
+
+
+def split_options(name: str) -> tuple[str, set[str]]:
+    """``"TopK(0.01)/noadopt"`` -> ``("TopK(0.01)", {"noadopt"})``."""
+    base, *knobs = name.split("/")
+    unknown = set(knobs) - set(OPTIONS)
+    if unknown:
+        raise SystemExit(f"unknown option(s) {sorted(unknown)} in {name!r}: use {OPTIONS}")
+    return base, set(knobs)
+
+
 def make_compressor(name: str) -> sparsecomm.Compressor:
+    name, _ = split_options(name)
     fixed = {
         "Dense()": sparsecomm.Dense,
         "Cast(bf16)": lambda: sparsecomm.Cast(torch.bfloat16),
@@ -274,9 +290,16 @@ def build_row(name: str, workload: Workload, device) -> Built:
         optimizer = workload.make_optimizer(list(model.parameters()))
     else:
         # Built before the first backward: the exchange may run in backward hooks.
+        _, knobs = split_options(name)
         optimizer = sparsecomm.CompressedOptimizer(
-            workload.make_optimizer(list(model.parameters())), make_compressor(name)
+            workload.make_optimizer(list(model.parameters())),
+            make_compressor(name),
+            cuda_graphs="nographs" not in knobs,
         )
+        optimizer._engine.side_stream = "stream" in knobs
+        if "noadopt" in knobs:
+            for bucket in optimizer._engine.buckets:
+                bucket.adopts = False
         sent_bytes = lambda: optimizer.last_stats.bytes_sent  # noqa: E731
 
     def step():

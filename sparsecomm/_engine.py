@@ -8,17 +8,18 @@ One bucket's life in a step:
    ``zero_grad(set_to_none=False)`` accumulates straight into it; a gradient that autograd
    allocated anew (after ``zero_grad()``) is copied once: on a CPU as it arrives, on CUDA
    with one foreach copy when the bucket's last gradient has arrived; a bucket of one
-   parameter (on CUDA, of at least :data:`ADOPT_MIN_CUDA_NUMEL` elements) takes autograd's
-   tensor as its buffer instead, with no copy.
+   parameter takes autograd's tensor as its buffer instead, with no copy, where it is
+   compressed eagerly anyway (on a CPU; on CUDA with ``cuda_graphs=False``).
    ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
    views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
    so that between steps a bucket holds only its residual, as DDP holds only its buckets
    (a bucket without a residual keeps its one buffer; so does a bucket compressed from a
    CUDA graph, which needs fixed addresses).
 2. **launch**: when the last member is filled and every earlier bucket has launched, the
-   bucket is compressed and its collective started (``async_op=True``), on CUDA from a
-   side stream that waits for the gradients and then runs beside the rest of backward
-   (:meth:`BucketEngine.join` makes the current stream wait for it when backward ends).
+   bucket is compressed and its collective started (``async_op=True``); optionally
+   (:attr:`BucketEngine.side_stream`) on CUDA from a side stream that waits for the
+   gradients and then runs beside the rest of backward (:meth:`BucketEngine.join` makes
+   the current stream wait for it when backward ends).
    Buckets launch in one fixed order on every rank, whatever order their gradients arrive
    in, so the ranks' collectives always match.
 3. **finish**: wait for the collective and write the average.
@@ -56,13 +57,6 @@ from .compressors import Compressor, Dense, Exchange, Message
 from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
 
 _DENSE = Dense()
-
-# A bucket of one parameter takes autograd's gradient as its buffer (no copy) on a CPU
-# always, and on CUDA from this many elements on: such a bucket compresses eagerly (a CUDA
-# graph needs fixed addresses, and autograd's tensor is new every step), which costs a
-# dozen kernel launches from Python, small beside kernels over 4M elements. (H200, 1e9
-# parameters in 60 buckets of 16.8M: the copies were 2.2 ms of a 35 ms step.)
-ADOPT_MIN_CUDA_NUMEL = 1 << 22
 
 
 @dataclass
@@ -140,7 +134,8 @@ class Bucket:
             self.residual_views = self.views_of(self.residual)
 
     def views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        return [self.view(buffer, m) for m in range(len(self.params))]
+        """Each member's view of a flat buffer, shaped like the member."""
+        return list(_unflatten(buffer, self.params))
 
     def release(self) -> None:
         """Drop the gradient buffer (the last average, once nothing reads it): between
@@ -161,7 +156,7 @@ class Bucket:
         """Make ``grad`` (the member's whole gradient, float32, contiguous, owning its
         storage) the gradient buffer: no copy. The old buffer, if any, is dropped."""
         self.grad_buffer = grad.view(-1)
-        self.grad_views = self.views_of(self.grad_buffer)
+        self.grad_views = [grad]
 
     def swap(self) -> None:
         """The residual buffer becomes the gradient buffer and the other way round."""
@@ -372,17 +367,27 @@ class BucketEngine:
         for bucket in buckets:
             for member, param in enumerate(bucket.params):
                 self.member_of[id(param)] = (bucket, member)
+        # A bucket of one parameter can take autograd's gradient as its buffer (no copy),
+        # but then compresses eagerly: a CUDA graph needs fixed addresses, and autograd's
+        # tensor is new every step. On CUDA that trades a copy at memory bandwidth for a
+        # dozen Triton launches from Python, a loss (H200, 1e9 parameters in 60 buckets of
+        # 16.8M, TopK(0.01): 72.8 ms a step adopting, 38.3 ms copying into graphed
+        # buckets; benchmarks/RESULTS.md), so CUDA buckets adopt only without graphs.
         for bucket in buckets:
             bucket.adopts = len(bucket.params) == 1 and (
-                bucket.device.type != "cuda" or bucket.numel >= ADOPT_MIN_CUDA_NUMEL
+                bucket.device.type != "cuda" or self.graphs is None
             )
         self.next_launch = 0  # buckets before this index have launched this step
         #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
         #: None: on CUDA only (:meth:`gather`).
         self.defer_copies: bool | None = None
         #: Run a CUDA bucket's copies, compression and collective launch on a side stream,
-        #: so that they overlap the rest of backward (False: on the current stream).
-        self.side_stream = True
+        #: so that they overlap the rest of backward (False: on the current stream). Off by
+        #: default: on one H200 the stream switches, waits and ``record_stream`` calls cost
+        #: host time that a host-bound step pays in full (163M GPT, TopK(0.01): 45.5 ms a
+        #: step with the side stream, 38.8 ms without; at 1e9 parameters no difference;
+        #: benchmarks/RESULTS.md). Whether it pays on several GPUs is not measured yet.
+        self.side_stream = False
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         #: Seconds spent compressing this step (set when ``timed``).
         self.compress_seconds = 0.0
@@ -442,20 +447,26 @@ class BucketEngine:
         when the bucket's last member is filled, so at most about one bucket's gradients
         stay allocated outside the buckets."""
         stream = self._side(bucket)
-        with torch.cuda.stream(stream):
-            if bucket.to_copy:
-                views = bucket.grad_views
-                grads = [grad for _, grad in bucket.to_copy]
-                torch._foreach_copy_([views[m] for m, _ in bucket.to_copy], grads)
-                if stream is not None:  # autograd's tensors: freed only once copied
-                    for grad in grads:
-                        grad.record_stream(stream)
-                for member, _ in bucket.to_copy:
-                    self._hand_over(bucket, member)
-                bucket.to_copy = []
-            if bucket.to_zero:
-                torch._foreach_zero_([bucket.grad_views[m] for m in bucket.to_zero])
-                bucket.to_zero = []
+        if stream is None:
+            self._copy_deferred(bucket, None)
+        else:
+            with torch.cuda.stream(stream):
+                self._copy_deferred(bucket, stream)
+
+    def _copy_deferred(self, bucket: Bucket, stream: torch.cuda.Stream | None) -> None:
+        if bucket.to_copy:
+            views = bucket.grad_views
+            grads = [grad for _, grad in bucket.to_copy]
+            torch._foreach_copy_([views[m] for m, _ in bucket.to_copy], grads)
+            if stream is not None:  # autograd's tensors: freed only once copied
+                for grad in grads:
+                    grad.record_stream(stream)
+            for member, _ in bucket.to_copy:
+                self._hand_over(bucket, member)
+            bucket.to_copy = []
+        if bucket.to_zero:
+            torch._foreach_zero_([bucket.grad_views[m] for m in bucket.to_zero])
+            bucket.to_zero = []
 
     def _side(self, bucket: Bucket) -> torch.cuda.Stream | None:
         """The side stream for the bucket's work, made to wait for what the current stream
@@ -531,8 +542,12 @@ class BucketEngine:
         self.join()
 
     def _launch(self, bucket: Bucket) -> None:
-        with torch.cuda.stream(self._side(bucket)):
+        stream = self._side(bucket)
+        if stream is None:  # (a stream context costs microseconds even for None)
             self._compress_and_start(bucket)
+        else:
+            with torch.cuda.stream(stream):
+                self._compress_and_start(bucket)
         self.next_launch += 1
         # Until finish() the buffer holds scratch (the new residual, then the average):
         # hide it from .grad so that nothing reads or scales it in place meanwhile.
@@ -653,6 +668,19 @@ class BucketEngine:
                 self.comm.wait(bucket.exchange.work)
             bucket.reset()
         self.next_launch = 0
+
+
+def _unflatten_in_python(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    views, start = [], 0
+    for tensor in like:
+        views.append(flat[start : start + tensor.numel()].view(tensor.shape))
+        start += tensor.numel()
+    return views
+
+
+# The members' views of a buffer in one C++ call (what torch._utils._unflatten_dense_tensors
+# uses): a third of the host time of slicing in Python, paid per bucket and step.
+_unflatten = getattr(torch._C._nn, "unflatten_dense_tensors", _unflatten_in_python)
 
 
 def _adoptable(grad: torch.Tensor | None, bucket: Bucket) -> bool:

@@ -428,6 +428,15 @@ class Threshold(_Sparse):
         return counts
 
 
+@functools.lru_cache(maxsize=4096)
+def _k_of(density: float, numel: int) -> int:
+    """:meth:`TopK.k_for`, cached: a step asks it once per bucket (and a graph signature)."""
+    if numel == 0:
+        return 0
+    exact = Fraction(repr(density)) * numel
+    return max(1, min(numel, math.ceil(exact)))
+
+
 class TopK(_Sparse):
     """Send exactly ``k = ceil(density * numel)`` elements of each bucket: the largest
     magnitudes of gradient plus residual, ties to the lower index.
@@ -538,10 +547,7 @@ class TopK(_Sparse):
         """``ceil(density * numel)``, with density read as the decimal it was written as
         (so 0.07 of 100 is 7, not 8), and at least 1 (0 of an empty bucket). The
         density after the warm-up; see :meth:`at_step` for a given step's."""
-        if numel == 0:
-            return 0
-        exact = Fraction(repr(self.density)) * numel
-        return max(1, min(numel, math.ceil(exact)))
+        return _k_of(self.density, numel)
 
     def graph_signature(self, numel):
         return ("TopK", self.k_for(numel))

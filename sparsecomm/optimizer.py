@@ -490,7 +490,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                self._engine.fill_from_hook(param)
+        else:  # (entering no_grad costs more than the rest of a hook)
             self._engine.fill_from_hook(param)
 
     def _end_of_backward(self) -> None:

@@ -21,8 +21,12 @@ TILE_SIZE = 4096
 # Pairs of one rank a program moves per iteration: a tile at 1% density gets ~41.
 PAIR_BLOCK = 128
 NUM_WARPS = 4
-# Tile boundaries found per program of the search kernel.
-SEARCH_BLOCK = 1024
+# Tile boundaries found per program of the search kernel, and its warps: its programs are
+# chains of dependent loads too, so smaller is faster (H200, 2026-12-04, numel 2**24 and
+# 167773 pairs, one rank: 1024 / 4 warps 65 us, 128 / 4 41 us, 64 / 2 39 us, 32 / 1 57 us;
+# 1e8 and 8 x 1e6 pairs: 318, 297, 297, 301 us; benchmarks/sweep_scatter_bounds.py).
+SEARCH_BLOCK = 64
+SEARCH_WARPS = 2
 
 
 @triton.jit
@@ -165,7 +169,7 @@ def scatter_add(
     _scatter_bounds_kernel[(triton.cdiv(num_bounds, SEARCH_BLOCK), world_size)](
         indices, indices if count_tensor is None else count_tensor, bounds, m, num_bounds,
         m.bit_length(), HAS_COUNTS=count_tensor is not None, TILE_SIZE=TILE_SIZE,
-        BLOCK=SEARCH_BLOCK, num_warps=4,
+        BLOCK=SEARCH_BLOCK, num_warps=SEARCH_WARPS,
     )  # fmt: skip
     _scatter_tile_kernel[(num_tiles,)](
         indices, values, bounds, out.view(-1), world_size, m, num_bounds, numel, scale,
@@ -327,8 +331,7 @@ def scatter_add_cpu(
     # Where each row's ascending indices cross each tile boundary.
     edges = torch.arange(0, numel + _cpu.CHUNK, _cpu.CHUNK).clamp_(max=numel).to(torch.int32)
     bounds = {
-        rank: torch.searchsorted(indices[rank, : count_list[rank]], edges).tolist()
-        for rank in rows
+        rank: torch.searchsorted(indices[rank, : count_list[rank]], edges).tolist() for rank in rows
     }
     for rank in rows:
         # Indices outside [0, numel) raise, as index_add_ does on the other path.

@@ -164,9 +164,7 @@ def _check_threshold(threshold: float) -> float:
     try:
         threshold = float(threshold)
     except (TypeError, ValueError):
-        raise TypeError(
-            f"threshold must be a float >= 0, got {type(threshold).__name__}"
-        ) from None
+        raise TypeError(f"threshold must be a float >= 0, got {type(threshold).__name__}") from None
     if not threshold >= 0.0:  # also rejects NaN
         raise ValueError(
             f"threshold must be a float >= 0, got {threshold}; elements with "
