@@ -34,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  before the process group: docs/teardown.md
 import torch.distributed as dist
 import torch.nn.functional as F
 

@@ -172,6 +172,11 @@ def init_distributed() -> tuple[int, int, torch.device]:
     Run without torchrun, it starts a one-rank group on this machine, so the examples also run
     as plain ``python examples/train_digits.py``.
     """
+    # Imported after the group exists (creating an optimizer imports it), torch._dynamo keeps
+    # a reference to the group, so destroy_process_group no longer ends it and a gloo rank
+    # can abort at exit; imported first, it keeps none (docs/teardown.md).
+    import torch._dynamo  # noqa: F401
+
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

@@ -9,6 +9,7 @@ each rank sent against what dense fp32 all-reduce would have sent.
 import os
 
 import torch
+import torch._dynamo  # noqa: F401  before the process group: docs/teardown.md
 import torch.distributed as dist
 
 import sparsecomm

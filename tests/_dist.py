@@ -26,6 +26,7 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def _entry(fn, rank, world_size, init_file, result_dir, args, collective_timeout, join_timeout):
+    import torch._dynamo  # noqa: F401  before the group exists: docs/teardown.md
     import torch.distributed as dist
 
     torch.set_num_threads(1)
