@@ -599,10 +599,10 @@ def test_planner_picks_the_measured_fastest_row(rate):
 # benchmarks/RESULTS.md, "Training step over a shaped link, CPU, after the exchange redesign"
 # (tests/data/network_after_redesign.json): the same command and model on sparsecomm at
 # e751649, which sends each bucket during backward. Per rate: per-rank bandwidth (measured
-# through-lo rate / 2), the
-# 1-float all-reduce (s), the `none` row's step and backward (s), each row's compress +
-# aggregate cost per element from its profiled steps (ns), and each row's measured step
-# (median, p20, p80; s). The unshaped loopback's per-rank rate is the host bandwidth.
+# through-lo rate / 2), the 1-float all-reduce (s), the `none` row's step and backward (s),
+# each row's compress + aggregate cost per element from its profiled steps (ns), and each
+# row's measured step (median, p20, p80; s). The unshaped loopback's per-rank rate is the
+# host bandwidth.
 AFTER = {
     "unshaped": (
         1014948346.5, 0.0002205, 0.3936, 0.2288,
