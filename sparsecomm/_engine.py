@@ -590,22 +590,30 @@ class BucketEngine:
         device = peaks[0].device
         return torch.stack([p.to(device) for p in peaks]).max()  # max propagates NaN
 
-    def finish(self, used: list[bool]) -> None:
+    def finish(self, used: list[bool], skip: torch.Tensor | None = None) -> None:
         """Wait for every bucket, average, commit the new residuals, and hand each used
         parameter its average in ``.grad`` (parameters no rank used keep ``grad = None``
-        and their residual)."""
+        and their residual).
+
+        ``skip``: a one-element bool tensor on the buckets' device, the step's refusal as
+        the device knows it before the host does. Where it holds True the averages are not
+        written over the old residuals (the kernels read it), so that :meth:`revert` can
+        still drop the step: the host queues the averages first and waits after."""
+        skips = {} if skip is None else {skip.device: skip}
         for bucket in self.buckets:
             exchange = bucket.exchange
             compressor = self.compressor_of(bucket)
-            if bucket.residual is None:
+            if bucket.residual is None:  # nothing to keep: the buffer is this step's
                 compressor.finish(exchange, bucket.grad_buffer)
             else:
+                if skip is not None and bucket.device not in skips:
+                    skips[bucket.device] = skip.to(bucket.device)
                 new_residual = bucket.grad_buffer
                 for member, position in enumerate(bucket.positions):
                     if not used[position]:
                         span = bucket.span(member)
                         new_residual[span] = bucket.residual[span]
-                compressor.finish(exchange, bucket.residual)
+                compressor.finish(exchange, bucket.residual, skips.get(bucket.device))
                 bucket.swap()  # the average is in the old residual's buffer
             for member, (position, param) in enumerate(zip(bucket.positions, bucket.params)):
                 if not used[position]:
@@ -659,6 +667,18 @@ class BucketEngine:
                 span = bucket.span(member)
                 velocity[span] = bucket.velocity[span]
         bucket.velocity, bucket.next_velocity = velocity, bucket.velocity
+
+    def revert(self) -> None:
+        """Drop a step that :meth:`finish` finished with ``skip`` holding True: the
+        residuals and velocities swap back (their old buffers were not written), and the
+        members' ``.grad`` is None."""
+        for bucket in self.buckets:
+            if bucket.residual is not None:
+                bucket.swap()
+            if bucket.velocity is not None:
+                bucket.velocity, bucket.next_velocity = bucket.next_velocity, bucket.velocity
+            for param in bucket.params:
+                param.grad = None
 
     def abandon(self) -> None:
         """Wait for every bucket and drop the step: residuals stay as they were, and the

@@ -65,11 +65,11 @@ def cast_compress(grad, residual, dtype, scale, limit=None, out=None):
     return impl(grad, residual, dtype, scale, limit, out)
 
 
-def scatter_add(indices, values, counts, numel, scale, out=None):
+def scatter_add(indices, values, counts, numel, scale, out=None, skip=None):
     impl = _pick(
         values,
         _scatter_add.scatter_add,
         _scatter_add.scatter_add_cpu,
         _scatter_add.scatter_add_ref,
     )
-    return impl(indices, values, counts, numel, scale, out=out)
+    return impl(indices, values, counts, numel, scale, out=out, skip=skip)

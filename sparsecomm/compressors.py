@@ -151,7 +151,13 @@ class Compressor:
         it the peak is None."""
         raise NotImplementedError
 
-    def finish(self, exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
+    def finish(
+        self, exchange: Exchange, out: torch.Tensor, skip: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Wait for the collectives and write the average into ``out``. ``skip``: a
+        one-element bool device tensor; where it holds True nothing is written to ``out``
+        (decided on the device, so that the engine can queue the averages before the host
+        knows whether the step is refused)."""
         raise NotImplementedError
 
     def exchange(self, message: Message, comm: Communicator) -> torch.Tensor:
@@ -212,12 +218,24 @@ def _peak(dense: torch.Tensor, world_size: int) -> torch.Tensor:
     return Message(numel=dense.numel(), values=dense).peak(world_size)
 
 
-def _finish_mean(exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
-    """``out = sum / W`` of a started fp32 all-reduce (``out`` may be the summed buffer)."""
+def _finish_mean(
+    exchange: Exchange, out: torch.Tensor, skip: torch.Tensor | None, factor: float
+) -> torch.Tensor:
+    """``out = sum * factor`` of a started all-reduce (``out`` may be the summed buffer),
+    or, where ``skip`` holds True, ``out`` as it was."""
     exchange.comm.wait(exchange.work)
-    if exchange.comm.world_size == 1:  # x * 1.0 is x: skip the pass
-        return out if out is exchange.result else out.copy_(exchange.result)
-    return torch.mul(exchange.result, average_scale(exchange.comm.world_size), out=out)
+    result = exchange.result
+    if skip is None:
+        if factor != 1.0 and result.dtype == out.dtype:
+            return torch.mul(result, factor, out=out)
+        if out is not result:  # (a half result is widened first: the multiply is in fp32)
+            out.copy_(result)
+        return out if factor == 1.0 else out.mul_(factor)  # x * 1.0 is x: skip the pass
+    if out is not result:
+        torch.where(skip, out, result, out=out)
+    if factor != 1.0:  # a skipped step multiplies by 1.0: the same bits, NaN included
+        out.mul_(torch.where(skip, 1.0, factor))
+    return out
 
 
 class Dense(Compressor):
@@ -238,8 +256,8 @@ class Dense(Compressor):
     def start(self, message, comm, check=True):
         return _start_all_reduce(message.values, comm, message, check)
 
-    def finish(self, exchange, out):
-        return _finish_mean(exchange, out)
+    def finish(self, exchange, out, skip=None):
+        return _finish_mean(exchange, out, skip, average_scale(exchange.comm.world_size))
 
 
 class Cast(Compressor):
@@ -303,12 +321,10 @@ class Cast(Compressor):
     def start(self, message, comm, check=True):
         return _start_all_reduce(message.values, comm, message, check)
 
-    def finish(self, exchange, out):
-        exchange.comm.wait(exchange.work)
+    def finish(self, exchange, out, skip=None):
         # sum_r half_r / scale / W, as one float factor so every rank rounds alike.
-        out.copy_(exchange.result)
         factor = 1.0 / (exchange.message.scale * exchange.comm.world_size)
-        return out if factor == 1.0 else out.mul_(factor)  # x * 1.0 is x: skip the pass
+        return _finish_mean(exchange, out, skip, factor)
 
 
 @functools.lru_cache(maxsize=64)
@@ -360,9 +376,9 @@ class _Sparse(Compressor):
             peak=message.peak(world_size) if check else None,
         )  # fmt: skip
 
-    def finish(self, exchange, out):
+    def finish(self, exchange, out, skip=None):
         if exchange.dense:  # switched to a dense all-reduce
-            return _finish_mean(exchange, out)
+            return _finish_mean(exchange, out, skip, average_scale(exchange.comm.world_size))
         exchange.comm.wait(exchange.work)
         width, gathered = exchange.width, exchange.result
         if gathered is None:
@@ -374,7 +390,7 @@ class _Sparse(Compressor):
         world_size = exchange.comm.world_size
         return _ops.scatter_add(
             indices, values, exchange.counts, exchange.message.numel,
-            average_scale(world_size), out=out,
+            average_scale(world_size), out=out, skip=skip,
         )  # fmt: skip
 
     def _gather_counts(self, message: Message, comm: Communicator) -> list[int]:

@@ -11,6 +11,7 @@ import difflib
 import math
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -209,6 +210,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
+        self._verdict_buffers: dict[int, torch.Tensor] = {}  # pinned, for _agree_on_step
         #: The step's refusal, agreed by every rank (None: the step is good).
         self._refusal: NonFiniteGradientError | None = None
         self._step_stats = StepStats()
@@ -511,20 +513,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         engine = self._engine
         engine.launch_all()
         stats = self._sent_stats()
-        bad_ranks, too_large, used = self._agree_on_step(
-            engine.peak(), engine.local_used(len(self._params))
-        )
+        used_here = engine.local_used(len(self._params))
+        agreement = self._start_agreement(engine.peak(), used_here)
+        # Used here means used by some rank: the averages need nothing from the host but the
+        # refusal, which the device has already. Queue them now, so that the device has work
+        # while the host waits for the verdict and launches the optimizer after it.
+        early = all(used_here)
+        if early:
+            stats.aggregate_seconds = self._finish(used_here, agreement.refused)
+        bad_ranks, too_large, used = self._agree_on_step(agreement)
         refused = bool(bad_ranks)
         for flag in found_inf:
             flag.fill_(1.0 if refused else 0.0)
         if refused:
-            engine.abandon()
-        else:
-            device = engine.buckets[0].device if engine.buckets else torch.device("cpu")
-            started, comm_before = self._comm.clock(device), self._comm.seconds
-            engine.finish(used)
-            finished = self._comm.clock(device)
-            stats.aggregate_seconds = finished - started - (self._comm.seconds - comm_before)
+            engine.revert() if early else engine.abandon()
+        elif not early:
+            stats.aggregate_seconds = self._finish(used, None)
         stats.compress_seconds = engine.compress_seconds
         stats.communicate_seconds = self._comm.seconds
         self._refusal = NonFiniteGradientError(bad_ranks, too_large) if refused else None
@@ -559,34 +563,70 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 stats.elements_sent += exchange.message.known_count()
         return stats
 
-    def _agree_on_step(
-        self, peak: torch.Tensor | None, used_here: list[bool]
-    ) -> tuple[list[int], bool, list[bool]]:
+    def _finish(self, used: list[bool], skip: torch.Tensor | None) -> float:
+        """``BucketEngine.finish``; returns the seconds it took beyond waiting for the
+        collectives (measured only when profiling)."""
+        engine = self._engine
+        device = engine.buckets[0].device if engine.buckets else torch.device("cpu")
+        started, comm_before = self._comm.clock(device), self._comm.seconds
+        engine.finish(used, skip)
+        finished = self._comm.clock(device)
+        return finished - started - (self._comm.seconds - comm_before)
+
+    def _start_agreement(self, peak: torch.Tensor | None, used_here: list[bool]) -> _Agreement:
         """One small all-reduce: each rank's peak (the largest magnitude it sent, as a
         fraction of what W ranks may each send for their sum to stay finite; NaN or Inf
-        when it sent one), and which parameters had a gradient on some rank. Returns the
-        ranks to blame, whether their values were finite (but too large to add up), and
-        the used flags. Every rank gets the same answer."""
+        when it sent one), and which parameters had a gradient on some rank. The step's
+        refusal is decided from it on the device, and the verdict starts on its way to
+        the host (:meth:`_agree_on_step` waits for it)."""
         world_size = self.world_size
         device = peak.device if peak is not None else torch.device("cpu")
         flags = torch.zeros(world_size + len(used_here), device=device)
         if peak is not None:
             flags[self.rank] = peak
-        used = torch.tensor(used_here, dtype=torch.float32)
-        if device.type == "cuda":
-            used = used.pin_memory()  # so the copy does not wait for the device
-        flags[world_size:] = used.to(device, non_blocking=True)
+        if all(used_here):
+            flags[world_size:] = 1.0  # (no copy from the host)
+        else:
+            used = torch.tensor(used_here, dtype=torch.float32)
+            if device.type == "cuda":
+                used = used.pin_memory()  # so the copy does not wait for the device
+            flags[world_size:] = used.to(device, non_blocking=True)
         # A sum: each rank's peak has a slot of its own (the others add 0 there, and NaN
         # stays NaN), and a used flag is above 0 if any rank used the parameter.
-        flags = self._comm.all_reduce_(flags).tolist()  # the step's one host sync
+        self._comm.all_reduce_(flags)
         peaks = flags[:world_size]
-        used = [f > 0 for f in flags[world_size:]]
+        refused = ~torch.isfinite(peaks).all()
+        if world_size > 1:  # the sum over the ranks could overflow
+            refused |= peaks.sum() > 1
+        verdict = torch.cat([refused.view(1).float(), flags])
+        if device.type != "cuda":
+            return _Agreement(refused, verdict, None)
+        host = self._verdict_buffers.get(verdict.numel())
+        if host is None:
+            host = torch.empty(verdict.numel(), pin_memory=True)
+            self._verdict_buffers = {verdict.numel(): host}
+        host.copy_(verdict, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Agreement(refused, host, event)
+
+    def _agree_on_step(self, agreement: _Agreement) -> tuple[list[int], bool, list[bool]]:
+        """Wait for the verdict of :meth:`_start_agreement` (the step's one host sync).
+        Returns the ranks to blame, whether their values were finite (but too large to add
+        up), and the used flags. Every rank gets the same answer."""
+        if agreement.event is not None:
+            agreement.event.synchronize()
+        world_size = self.world_size
+        values = agreement.host.tolist()
+        peaks = values[1 : 1 + world_size]
+        used = [f > 0 for f in values[1 + world_size :]]
+        if not values[0]:
+            return [], False, used
         nonfinite = [r for r in range(world_size) if not math.isfinite(peaks[r])]
         if nonfinite:
             return nonfinite, False, used
-        if world_size > 1 and sum(peaks) > 1:  # the sum over the ranks could overflow
-            return [r for r in range(world_size) if peaks[r] > 1 / world_size], True, used
-        return [], False, used
+        too_large = [r for r in range(world_size) if peaks[r] > 1 / world_size]
+        return too_large or [max(range(world_size), key=peaks.__getitem__)], True, used
 
     def _unscale(self, grad_scaler) -> list[torch.Tensor]:
         """Unscale the gradients with ``grad_scaler`` (unless the user already did) and return
@@ -853,6 +893,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     "with empty residuals"
                 )
         return ours
+
+
+@dataclass
+class _Agreement:
+    """The step's agreement on its way to the host: ``refused``, a 0-dim bool tensor on
+    the device; ``host``, the verdict (refused, then the all-reduced flags), filled once
+    ``event`` (None off CUDA) has passed."""
+
+    refused: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
 
 def _remove_hooks(handles: list) -> None:

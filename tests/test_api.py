@@ -298,6 +298,52 @@ def test_nonfinite_gradient_raises_and_changes_nothing_locally(compressor, overl
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("all_used", [True, False])
+def test_averages_are_queued_before_the_host_waits_unless_a_parameter_went_unused(
+    all_used, nan
+):
+    # When every parameter had a gradient here, the refusal (decided on the device) is all
+    # the averages need, so they are queued before the step's one host wait; a parameter
+    # without one needs the ranks' used flags first. Either way a refused step leaves the
+    # residuals and parameters exactly as they were.
+    model = small_model()
+    extra = torch.nn.Linear(3, 3)  # used only when all_used
+    params = [*model.parameters(), *extra.parameters()]
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(params, lr=0.1), sparsecomm.TopK(0.05), min_compress_numel=1
+    )
+    gen = torch.Generator().manual_seed(0)
+
+    def backward():
+        out = model(torch.randn(8, 40, generator=gen))
+        (extra(out) if all_used else out).pow(2).mean().backward()
+
+    for _ in range(2):
+        backward()
+        opt.step()
+        opt.zero_grad()
+    order = []
+    finish, agree = opt._engine.finish, opt._agree_on_step
+    opt._engine.finish = lambda *a: (order.append("finish"), finish(*a))[1]
+    opt._agree_on_step = lambda *a: (order.append("wait"), agree(*a))[1]
+    before = [p.detach().clone() for p in params]
+    residuals = [opt.residual(p).clone() for p in params]
+    handle = model[0].weight.register_hook(_poison) if nan else None
+    backward()
+    if nan:
+        handle.remove()
+        with pytest.raises(sparsecomm.NonFiniteGradientError):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(before, params))
+        assert all(torch.equal(r, opt.residual(p)) for r, p in zip(residuals, params))
+        assert all(p.grad is None for p in params)
+    else:
+        opt.step()
+        assert not all(torch.equal(p, q) for p, q in zip(before, params))
+    assert order == (["finish", "wait"] if all_used else ["wait"] + ["finish"] * (not nan))
+
+
 def test_profile_records_times():
     model = small_model()
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), profile=True)

@@ -141,3 +141,49 @@ def test_compressors_compare_and_print_by_value():
     assert repr(sparsecomm.Threshold(1e-3)) == "Threshold(threshold=0.001)"
     assert repr(sparsecomm.Cast(torch.bfloat16)) == "Cast(dtype=torch.bfloat16)"
     assert repr(sparsecomm.Dense()) == "Dense()"
+
+
+def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return torch.equal(bits(actual), bits(expected))
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize(
+    "compressor",
+    [sparsecomm.Dense(), Cast(torch.float16), Cast(torch.bfloat16), TopK(0.01), TopK(0.9),
+     Threshold(0.5)],  # fmt: skip
+    ids=repr,
+)
+def test_finish_with_skip_keeps_out_or_writes_the_average(world_size, compressor):
+    # skip, read on the device: True leaves out's bits (NaN, -0.0) as they were; False
+    # writes exactly what finish without skip writes. At W = 3 the mean is a multiply
+    # (an Exchange holding the summed result, as the collective leaves it); TopK(0.9) at
+    # W = 3 switches to a dense all-reduce.
+    from sparsecomm._comm import Communicator
+    from sparsecomm.compressors import Exchange
+
+    comm = Communicator()
+    comm.world_size = world_size  # what the sum of W ranks looks like, on one process
+    gen = torch.Generator().manual_seed(world_size)
+    numel = 1000
+    grad = torch.randn(numel, generator=gen).to(DEVICE)
+    residual = torch.randn(numel, generator=gen).to(DEVICE)
+    message = compressor.compress(grad, residual, world_size)
+    if world_size == 1:
+        exchange = lambda: compressor.start(message, comm)  # noqa: E731
+    elif message.indices is None or message.known_count() * world_size >= numel:
+        values = message.values if message.indices is None else message.decode()
+        exchange = lambda: Exchange(message, None, values * world_size, comm, dense=True)  # noqa: E731
+    else:
+        count = message.known_count()
+        row = torch.cat([message.indices[:count], message.values[:count].view(torch.int32)])
+        gathered = row.repeat(world_size, 1)
+        exchange = lambda: Exchange(message, None, gathered, comm, width=count)  # noqa: E731
+    expected = compressor.finish(exchange(), torch.empty(numel, device=DEVICE))
+    old = torch.randn(numel, generator=gen).to(DEVICE)
+    old[0], old[1] = float("nan"), -0.0
+    out = old.clone()
+    compressor.finish(exchange(), out, skip=torch.tensor(True, device=DEVICE))
+    assert _same_bits(out, old)
+    compressor.finish(exchange(), out, skip=torch.tensor(False, device=DEVICE))
+    assert _same_bits(out, expected)

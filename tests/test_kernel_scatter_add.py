@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from unittest import mock
 
 import pytest
@@ -286,6 +287,55 @@ def test_out_is_overwritten_and_returned(impl, numel):
     assert fn(indices[:, :0].contiguous(), values[:, :0].contiguous(), None, numel, 1.0,
               out=out) is out  # fmt: skip
     assert out.view(torch.int32).eq(0).all()
+
+
+@pytest.mark.parametrize("impl", ["kernel", "ref", "cpu"])
+@pytest.mark.parametrize("numel", [1, SMALL_TILE + 1, 1000])
+def test_skip_keeps_out_or_writes_the_sum(impl, numel):
+    # skip (a bool read on the device) True: out keeps every bit, NaN and -0.0 included,
+    # also with nothing to add; False: exactly the sum without skip.
+    fn = {"kernel": scatter_add, "ref": scatter_add_ref, "cpu": scatter_module.scatter_add_cpu}
+    fn = fn[impl]
+    device = "cpu" if impl == "cpu" else DEVICE
+    gen = torch.Generator().manual_seed(numel)
+    counts = [numel // 2, numel, 0]
+    values = torch.randn(3 * (numel + 1), generator=gen)
+    indices, values = random_messages(3, numel, counts, 1, values, numel, device=device)
+    expected = scatter_add_ref(indices, values, counts, numel, 0.25)
+    old = torch.randn(numel, generator=gen).to(device)
+    old[0], old[-1] = math.nan, -0.0
+    for m in [indices.shape[1], 0]:
+        rows = indices[:, :m].contiguous(), values[:, :m].contiguous()
+        out = old.clone()
+        with small_tiles():
+            skip = torch.tensor(True, device=device)
+            assert fn(*rows, None if m == 0 else counts, numel, 0.25, out=out, skip=skip) is out
+            assert_same_bits(out, old, "out under skip=True")
+            skip = torch.tensor(False, device=device)
+            fn(*rows, None if m == 0 else counts, numel, 0.25, out=out, skip=skip)
+        assert_same_bits(out, expected if m else torch.zeros(numel, device=device), "skip=False")
+
+
+@pytest.mark.parametrize("impl", ["kernel", "ref", "cpu"])
+@pytest.mark.parametrize(
+    "skip, out, error, message",
+    [
+        (True, "out", TypeError, "skip must be a one-element bool tensor"),
+        (torch.tensor(1), "out", TypeError, "got dtype=torch.int64"),
+        (torch.tensor([True, False]), "out", ValueError, "got 2 elements"),
+        (torch.tensor(True), None, ValueError, "pass out=... with skip=..."),
+    ],
+)
+def test_bad_skip(impl, skip, out, error, message):
+    fn = {"kernel": scatter_add, "ref": scatter_add_ref, "cpu": scatter_module.scatter_add_cpu}
+    fn = fn[impl]
+    device = "cpu" if impl == "cpu" else DEVICE
+    indices, values = random_messages(1, 8, [2], 0, torch.randn(2), 0, device=device)
+    out = torch.zeros(8, device=device) if out == "out" else None
+    if isinstance(skip, torch.Tensor):
+        skip = skip.to(device)
+    with pytest.raises(error, match=re.escape(message)):
+        fn(indices, values, None, 8, 1.0, out=out, skip=skip)
 
 
 def test_out_allocates_no_output():

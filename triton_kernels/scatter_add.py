@@ -77,14 +77,22 @@ def _scatter_tile_kernel(
     num_bounds,
     numel,
     scale,
+    skip_ptr,
+    HAS_SKIP: tl.constexpr,
     TILE_SIZE: tl.constexpr,
     PAIR_BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     tile_start = tile.to(tl.int64) * TILE_SIZE
+    # With a skip flag that holds True, nothing is zeroed (the zeros end at 0, not numel)
+    # and no pair is read: the output keeps what it held (see the docstring).
+    zeros_end = numel
+    if HAS_SKIP:
+        write = tl.load(skip_ptr).to(tl.int32) == 0
+        zeros_end = tl.where(write, numel, 0)
     for first in range(0, TILE_SIZE, PAIR_BLOCK):
         offsets = tile_start + first + tl.arange(0, PAIR_BLOCK)
-        tl.store(out_ptr + offsets, 0.0, mask=offsets < numel)
+        tl.store(out_ptr + offsets, 0.0, mask=offsets < zeros_end)
     lanes = tl.arange(0, PAIR_BLOCK)
     row_index_ptr = indices_ptr
     row_value_ptr = values_ptr
@@ -95,6 +103,8 @@ def _scatter_tile_kernel(
         tl.debug_barrier()
         begin = tl.load(row_bounds_ptr)
         end = tl.load(row_bounds_ptr + 1)
+        if HAS_SKIP:
+            end = tl.where(write, end, begin)
         for first in range(begin, end, PAIR_BLOCK):
             position = first + lanes
             valid = position < end
@@ -120,6 +130,7 @@ def scatter_add(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`scatter_add_ref`, the same bits, without float atomics.
 
@@ -140,6 +151,10 @@ def scatter_add(
         scale: multiplied into each value before it is added, in float32 as torch does.
         out: a contiguous float32 tensor of ``numel`` elements on ``values``' device to
             write the sum into (all of it is overwritten), instead of a new one.
+        skip: with ``out``, an optional one-element bool tensor on ``values``' device: when
+            it holds True, nothing is written and ``out`` keeps its bits. The kernels read
+            it on the device (no host sync), so that the sum can be queued before the host
+            knows whether it is wanted.
 
     Returns:
         A float32 tensor of ``numel`` elements: ``out`` when given.
@@ -150,7 +165,7 @@ def scatter_add(
         >>> scatter_add(indices, values, None, 5, 0.5).tolist()
         [0.5, 0.0, 2.5, 2.0, 0.0]
     """
-    count_list = _check_scatter_args(indices, values, counts, numel, out)
+    count_list = _check_scatter_args(indices, values, counts, numel, out, skip)
     world_size, m = indices.shape
     device = values.device
     count_tensor = None
@@ -159,6 +174,8 @@ def scatter_add(
     if numel == 0 or world_size == 0 or m == 0:
         if out is None:
             return torch.zeros(numel, dtype=torch.float32, device=device)
+        if skip is not None:  # zeros, unless skipped (on the device)
+            return out.masked_fill_(~skip.view(()), 0.0)
         return out.zero_()
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=device)
@@ -173,6 +190,7 @@ def scatter_add(
     )  # fmt: skip
     _scatter_tile_kernel[(num_tiles,)](
         indices, values, bounds, out.view(-1), world_size, m, num_bounds, numel, scale,
+        bounds if skip is None else skip.view(torch.uint8), HAS_SKIP=skip is not None,
         TILE_SIZE=TILE_SIZE, PAIR_BLOCK=PAIR_BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -184,6 +202,7 @@ def _check_scatter_args(
     counts: Sequence[int] | None,
     numel: int,
     out: torch.Tensor | None,
+    skip: torch.Tensor | None = None,
 ) -> list[int] | None:
     """Check the arguments of every scatter-add; returns ``counts`` as a list of ints.
 
@@ -220,6 +239,7 @@ def _check_scatter_args(
             f"numel must be an int in [0, {MAX_NUMEL}] (indices are int32), got {numel!r}"
         )
     check_out(out, numel, values.device)
+    _check_skip(skip, out, values.device)
     if counts is None:
         return None
     world_size, m = indices.shape
@@ -236,6 +256,20 @@ def _check_scatter_args(
     return count_list
 
 
+def _check_skip(skip: torch.Tensor | None, out: torch.Tensor | None, device) -> None:
+    if skip is None:
+        return
+    what = f"skip must be a one-element bool tensor on {device}"
+    if not isinstance(skip, torch.Tensor):
+        raise TypeError(f"{what}, got {type(skip).__name__}")
+    if skip.dtype != torch.bool:
+        raise DtypeError(f"{what}, got dtype={skip.dtype}")
+    if skip.numel() != 1 or skip.device != device:
+        raise ValueError(f"{what}, got {skip.numel()} elements on {skip.device}")
+    if out is None:
+        raise ValueError("skip keeps out's bits, so it needs out: pass out=... with skip=...")
+
+
 def scatter_add_ref(
     indices: torch.Tensor,
     values: torch.Tensor,
@@ -244,6 +278,7 @@ def scatter_add_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add rank 0's values times ``scale``, then rank 1's, ..., into zeros.
 
@@ -262,10 +297,15 @@ def scatter_add_ref(
             average).
         out: a contiguous float32 tensor of ``numel`` elements on ``values``' device to
             write the sum into (all of it is overwritten), instead of a new one.
+        skip: with ``out``, a one-element bool tensor: when it holds True, nothing is
+            written (``out`` keeps its bits).
 
     Returns:
         A float32 tensor of ``numel`` elements: ``out`` when given.
     """
+    _check_skip(skip, out, values.device)
+    if skip is not None and bool(skip):
+        return out
     if out is None:
         result = torch.zeros(numel, dtype=torch.float32, device=values.device)
     else:
@@ -297,6 +337,7 @@ def scatter_add_cpu(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fast CPU version of :func:`scatter_add_ref`: the same bits, for any unique indices.
 
@@ -311,8 +352,10 @@ def scatter_add_cpu(
 
     Args and returns: as :func:`scatter_add_ref`; CPU tensors only.
     """
-    count_list = _check_scatter_args(indices, values, counts, numel, out)
+    count_list = _check_scatter_args(indices, values, counts, numel, out, skip)
     _cpu.require_cpu(values, "scatter_add_cpu")
+    if skip is not None and bool(skip):  # on a CPU, reading the flag costs nothing
+        return out
     world_size, m = indices.shape
     if count_list is None:
         count_list = [m] * world_size
