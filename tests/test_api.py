@@ -300,9 +300,7 @@ def test_nonfinite_gradient_raises_and_changes_nothing_locally(compressor, overl
 
 @pytest.mark.parametrize("nan", [False, True])
 @pytest.mark.parametrize("all_used", [True, False])
-def test_averages_are_queued_before_the_host_waits_unless_a_parameter_went_unused(
-    all_used, nan
-):
+def test_averages_are_queued_before_the_host_waits_unless_a_parameter_went_unused(all_used, nan):
     # When every parameter had a gradient here, the refusal (decided on the device) is all
     # the averages need, so they are queued before the step's one host wait; a parameter
     # without one needs the ranks' used flags first. Either way a refused step leaves the

@@ -150,8 +150,14 @@ def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 @pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.parametrize(
     "compressor",
-    [sparsecomm.Dense(), Cast(torch.float16), Cast(torch.bfloat16), TopK(0.01), TopK(0.9),
-     Threshold(0.5)],  # fmt: skip
+    [
+        sparsecomm.Dense(),
+        Cast(torch.float16),
+        Cast(torch.bfloat16),
+        TopK(0.01),
+        TopK(0.9),
+        Threshold(0.5),
+    ],  # fmt: skip
     ids=repr,
 )
 def test_finish_with_skip_keeps_out_or_writes_the_average(world_size, compressor):
