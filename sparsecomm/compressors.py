@@ -233,7 +233,7 @@ def _finish_mean(
         return out if factor == 1.0 else out.mul_(factor)  # x * 1.0 is x: skip the pass
     if out is not result:
         torch.where(skip, out, result, out=out)
-    if factor != 1.0:  # a skipped step multiplies by 1.0: the same bits, NaN included
+    if factor != 1.0:  # skipped: times 1.0, the same bits (a NaN may become canonical)
         out.mul_(torch.where(skip, 1.0, factor))
     return out
 
