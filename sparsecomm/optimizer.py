@@ -210,7 +210,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
-        self._verdict_buffers: dict[int, torch.Tensor] = {}  # pinned, for _agree_on_step
+        self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
         #: The step's refusal, agreed by every rank (None: the step is good).
         self._refusal: NonFiniteGradientError | None = None
         self._step_stats = StepStats()
@@ -601,10 +601,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         verdict = torch.cat([refused.view(1).float(), flags])
         if device.type != "cuda":
             return _Agreement(refused, verdict, None)
-        host = self._verdict_buffers.get(verdict.numel())
-        if host is None:
-            host = torch.empty(verdict.numel(), pin_memory=True)
-            self._verdict_buffers = {verdict.numel(): host}
+        host = self._verdict_buffer
+        if host is None or host.numel() != verdict.numel():
+            host = self._verdict_buffer = torch.empty(verdict.numel(), pin_memory=True)
         host.copy_(verdict, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

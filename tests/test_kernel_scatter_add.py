@@ -27,6 +27,9 @@ pytestmark = [
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# The three implementations, by the name the tests' parameters give them.
+IMPLS = {"kernel": scatter_add, "ref": scatter_add_ref, "cpu": scatter_module.scatter_add_cpu}
+
 SCALES = [1.0, 0.125, 1 / 3, 0.1, 1 / 8]
 
 
@@ -264,11 +267,7 @@ def test_bad_arguments_error_types(args, error, message, impl):
 @pytest.mark.parametrize("impl", ["kernel", "ref", "cpu"])
 @pytest.mark.parametrize("numel", [1, 7, SMALL_TILE + 1, 1000])
 def test_out_is_overwritten_and_returned(impl, numel):
-    fn = {
-        "kernel": scatter_add,
-        "ref": scatter_add_ref,
-        "cpu": scatter_module.scatter_add_cpu,
-    }[impl]
+    fn = IMPLS[impl]
     device = "cpu" if impl == "cpu" else DEVICE
     gen = torch.Generator().manual_seed(numel)
     counts = [numel // 2, numel, 0]
@@ -294,8 +293,7 @@ def test_out_is_overwritten_and_returned(impl, numel):
 def test_skip_keeps_out_or_writes_the_sum(impl, numel):
     # skip (a bool read on the device) True: out keeps every bit, NaN and -0.0 included,
     # also with nothing to add; False: exactly the sum without skip.
-    fn = {"kernel": scatter_add, "ref": scatter_add_ref, "cpu": scatter_module.scatter_add_cpu}
-    fn = fn[impl]
+    fn = IMPLS[impl]
     device = "cpu" if impl == "cpu" else DEVICE
     gen = torch.Generator().manual_seed(numel)
     counts = [numel // 2, numel, 0]
@@ -327,8 +325,7 @@ def test_skip_keeps_out_or_writes_the_sum(impl, numel):
     ],
 )
 def test_bad_skip(impl, skip, out, error, message):
-    fn = {"kernel": scatter_add, "ref": scatter_add_ref, "cpu": scatter_module.scatter_add_cpu}
-    fn = fn[impl]
+    fn = IMPLS[impl]
     device = "cpu" if impl == "cpu" else DEVICE
     indices, values = random_messages(1, 8, [2], 0, torch.randn(2), 0, device=device)
     out = torch.zeros(8, device=device) if out == "out" else None
