@@ -8,13 +8,13 @@ One bucket's life in a step:
    ``zero_grad(set_to_none=False)`` accumulates straight into it; a gradient that autograd
    allocated anew (after ``zero_grad()``) is copied once: on a CPU as it arrives, on CUDA
    with one foreach copy when the bucket's last gradient has arrived; a bucket of one
-   parameter takes autograd's tensor as its buffer instead, with no copy, where it is
-   compressed eagerly anyway (on a CPU; on CUDA with ``cuda_graphs=False``).
+   parameter takes autograd's tensor as its buffer instead, with no copy.
    ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
    views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
    so that between steps a bucket holds only its residual, as DDP holds only its buckets
-   (a bucket without a residual keeps its one buffer; so does a bucket compressed from a
-   CUDA graph, which needs fixed addresses).
+   (a bucket without a residual keeps its one buffer). CUDA graphs of the compression do
+   not mind buffers that move: they read the addresses from a table
+   (:class:`CompressGraphs`).
 2. **launch**: when the last member is filled and every earlier bucket has launched, the
    bucket is compressed and its collective started (``async_op=True``); optionally
    (:attr:`BucketEngine.side_stream`) on CUDA from a side stream that waits for the
@@ -55,6 +55,7 @@ import torch
 from ._comm import Communicator
 from .compressors import Compressor, Dense, Exchange, Message
 from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
+from .triton_kernels import _indirect
 
 _DENSE = Dense()
 
@@ -228,32 +229,39 @@ class CompressGraphs:
     message's peak) replayed as one graph launch instead of a dozen kernel launches from
     Python.
 
-    A bucket's compression is run eagerly the first time its key (the buffers it reads and
-    writes, which swap every step, their size, and the compressor's
-    :meth:`graph_signature`) is seen, so that Triton compiles; captured the second time;
-    replayed from then on. A bucket keeps the graphs of its two latest keys: a key seen once
-    (a schedule changing ``k`` every step, a DDP bucket rebuilt) is never captured, and
-    older keys' graphs are dropped, and a bucket captured :attr:`MAX_CAPTURES` times in a
-    row without replaying one of them compresses eagerly from then on (so does every bucket
-    once a capture failed). All graphs share one
-    memory pool; they replay one after the other on one stream, so their scratch can
-    overlap, and what they output stays allocated with them (their messages are kept). A
-    message as large as the bucket (``Cast``'s) goes into one wire buffer per bucket
-    (:meth:`~sparsecomm.compressors.Compressor.wire_buffer`), shared by the graphs of both
-    buffer pairings, so that graphs cost no more memory than eager compression."""
+    A graph does not depend on where the bucket's buffers are: the compressors that graph
+    (those with a :meth:`~sparsecomm.compressors.Compressor.graph_signature`) take an
+    ``addresses`` table, a small int64 device tensor per bucket from which their kernels
+    read where the gradient, residual and wire buffers are when they run, and this class
+    writes the current addresses there before every replay. So the buffers may move from
+    step to step (they swap roles, a gradient buffer is released between steps and
+    allocated anew, a bucket of one parameter takes autograd's gradient as its buffer) and
+    one graph per bucket serves every step.
 
-    #: Captures in a row without a replay before a bucket compresses eagerly for good:
-    #: buffers whose addresses keep changing (reallocated every step and not handed back at
-    #: the same place) would otherwise be captured again and again.
+    A bucket's compression runs eagerly the first time its key (its size, whether it has a
+    residual, and the compressor's signature) is seen, so that Triton compiles; is captured
+    the second time in a row; replayed from then on. A bucket keeps the graph of its latest
+    key only (a schedule changing ``k`` every step is never captured), and a bucket
+    captured :attr:`MAX_CAPTURES` times in a row without replaying compresses eagerly from
+    then on (so does every bucket once a capture failed). All graphs share one memory pool;
+    they replay one after the other on one stream, so their scratch can overlap, and what
+    they output stays allocated with them (their messages are kept). A message as large as
+    the bucket (``Cast``'s) goes into one wire buffer per bucket
+    (:meth:`~sparsecomm.compressors.Compressor.wire_buffer`), reused every step: the
+    message's peak, measured inside the graph, reads it where it was captured."""
+
+    #: Captures in a row without a replay before a bucket compresses eagerly for good (a
+    #: key that changes every other step would otherwise be captured again and again).
     MAX_CAPTURES = 8
 
     def __init__(self):
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Message]] = {}
-        self.keys_of: dict[int, list[tuple]] = {}  # per bucket, its latest keys
+        self.graphs: dict[int, tuple[tuple, torch.cuda.CUDAGraph, Message]] = {}  # per bucket
+        self.last_key: dict[int, tuple] = {}  # per bucket, the key it compressed last
         self.pool = None
         self.wire_buffers: dict[tuple, torch.Tensor | None] = {}
+        self.tables: dict[int, _AddressTable] = {}  # per bucket
         self.failed = False
-        self.captures_of: dict[int, int] = {}  # per bucket, graphs captured so far
+        self.captures_of: dict[int, int] = {}  # per bucket, graphs captured in a row
         #: Compressions replayed from a graph, and graphs captured (counters for tests and
         #: benchmarks).
         self.replays = 0
@@ -279,38 +287,57 @@ class CompressGraphs:
         world_size: int, signature: tuple, owner: int,
     ) -> Message:  # fmt: skip
         """``compressor.compress(grad, residual, world_size)``, from a graph when one is
-        captured. ``owner``: the bucket's index (whose wire buffer the graphs share)."""
-        residual_ptr = None if residual is None else residual.data_ptr()
-        key = (grad.data_ptr(), residual_ptr, grad.numel(), signature)
-        keys = self.keys_of.setdefault(owner, [])
-        if key not in keys:  # first sighting: eagerly (Triton compiles what it needs)
-            keys.append(key)
-            if len(keys) > 2:  # a bucket has two buffer pairings: older keys' graphs go
-                self.graphs.pop(keys.pop(0), None)
-            return compressor.compress(grad, residual, world_size)
-        entry = self.graphs.get(key)
-        if entry is None:
-            if not self.active(owner):
-                return compressor.compress(grad, residual, world_size)
-            self.captures_of[owner] = self.captures_of.get(owner, 0) + 1
-            if not self.active(owner):  # capturing does not pay here: stop, free its graphs
-                for old in self.keys_of.pop(owner, []):
-                    self.graphs.pop(old, None)
-                return compressor.compress(grad, residual, world_size)
-            return self._capture(compressor, grad, residual, world_size, key, owner)
-        graph, captured = entry
-        graph.replay()
-        self.replays += 1
-        self.captures_of[owner] = 0  # the graphs pay: keep capturing for this bucket
-        return dataclasses.replace(captured)  # the same tensors, fresh bookkeeping
-
-    def _capture(self, compressor, grad, residual, world_size, key, owner) -> Message:
+        captured. ``owner``: the bucket's index (whose graph, table and wire buffer these
+        are)."""
+        key = (grad.numel(), residual is None, signature)
         kwargs = {}
-        slot = (owner, grad.numel())
+        slot = (owner, grad.numel(), signature)
         if slot not in self.wire_buffers:
             self.wire_buffers[slot] = compressor.wire_buffer(grad.numel(), grad.device)
-        if self.wire_buffers[slot] is not None:  # one for both buffer pairings
-            kwargs["out"] = self.wire_buffers[slot]
+        out = self.wire_buffers[slot]
+        if out is not None:
+            kwargs["out"] = out
+        if not all(_aligned(t) for t in (grad, residual, out)):  # a view at an odd offset
+            return compressor.compress(grad, residual, world_size, **kwargs)
+        table = self.tables.get(owner)
+        if table is None:
+            table = self.tables[owner] = _AddressTable(grad.device)
+        kwargs["addresses"] = table.write(grad, residual, out)
+        seen = self.last_key.get(owner) == key
+        self.last_key[owner] = key
+        entry = self.graphs.get(owner)
+        if entry is not None and entry[0] == key:
+            _, graph, captured = entry
+            graph.replay()
+            self.replays += 1
+            self.captures_of[owner] = 0  # the graphs pay: keep capturing for this bucket
+            return dataclasses.replace(captured)  # the same tensors, fresh bookkeeping
+        self.graphs.pop(owner, None)
+        if not seen or not self.active(owner):  # first sighting: eagerly (Triton compiles)
+            return self._eager(compressor, grad, residual, world_size, kwargs)
+        self.captures_of[owner] = self.captures_of.get(owner, 0) + 1
+        if not self.active(owner):  # capturing does not pay here: stop
+            return self._eager(compressor, grad, residual, world_size, kwargs)
+        return self._capture(compressor, grad, residual, world_size, key, owner, kwargs)
+
+    def _eager(self, compressor, grad, residual, world_size, kwargs) -> Message:
+        """Compress eagerly through the address table; should that fail (the kernels
+        that read it do not compile here), without graphs from now on."""
+        try:
+            return compressor.compress(grad, residual, world_size, **kwargs)
+        except Exception as error:  # a real error in the arguments raises again below
+            self.failed = True
+            warnings.warn(
+                f"sparsecomm: {compressor!r} failed reading its buffers through an address "
+                f"table ({type(error).__name__}: {error}); compressing without CUDA graphs "
+                "from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            kwargs.pop("addresses")
+            return compressor.compress(grad, residual, world_size, **kwargs)
+
+    def _capture(self, compressor, grad, residual, world_size, key, owner, kwargs) -> Message:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -326,12 +353,48 @@ class CompressGraphs:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return compressor.compress(grad, residual, world_size)
-        self.graphs[key] = (graph, message)
+            kwargs.pop("addresses")
+            return compressor.compress(grad, residual, world_size, **kwargs)
+        self.graphs[owner] = (key, graph, message)
         self.captured += 1
         graph.replay()  # capturing ran nothing
         self.replays += 1
         return dataclasses.replace(message)
+
+
+class _AddressTable:
+    """One bucket's ``addresses`` table (``triton_kernels._indirect``): an int64 device
+    tensor of the gradient's, residual's and wire buffer's addresses, written from a pinned
+    host copy (asynchronously, in stream order before the kernels that read it) whenever
+    they change. An event keeps the host copy from being rewritten before the device has
+    read it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(_indirect.SLOTS, dtype=torch.int64, pin_memory=cuda)
+        self.host_view = self.host.numpy()
+        self.table = self.host if not cuda else torch.zeros_like(self.host, device=device)
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending = False
+        self.current: tuple = ()
+
+    def write(self, *buffers) -> torch.Tensor:
+        addresses = tuple(0 if b is None else b.data_ptr() for b in buffers)
+        if addresses != self.current:
+            if self.pending:
+                self.event.synchronize()  # the last copy out of self.host has run (cheap)
+            self.host_view[: len(addresses)] = addresses
+            self.current = addresses
+            if self.event is not None:
+                self.table.copy_(self.host, non_blocking=True)
+                self.event.record()
+                self.pending = True
+        return self.table
+
+
+def _aligned(tensor: torch.Tensor | None) -> bool:
+    return tensor is None or tensor.data_ptr() % _indirect.ALIGN == 0
 
 
 class BucketEngine:
@@ -367,16 +430,11 @@ class BucketEngine:
         for bucket in buckets:
             for member, param in enumerate(bucket.params):
                 self.member_of[id(param)] = (bucket, member)
-        # A bucket of one parameter can take autograd's gradient as its buffer (no copy),
-        # but then compresses eagerly: a CUDA graph needs fixed addresses, and autograd's
-        # tensor is new every step. On CUDA that trades a copy at memory bandwidth for a
-        # dozen Triton launches from Python, a loss (H200, 1e9 parameters in 60 buckets of
-        # 16.8M, TopK(0.01): 72.8 ms a step adopting, 38.3 ms copying into graphed
-        # buckets; benchmarks/RESULTS.md), so CUDA buckets adopt only without graphs.
+        # A bucket of one parameter takes autograd's gradient as its buffer (no copy): the
+        # CUDA graphs read their buffers through an address table, so a buffer that is new
+        # every step costs them nothing.
         for bucket in buckets:
-            bucket.adopts = len(bucket.params) == 1 and (
-                bucket.device.type != "cuda" or self.graphs is None
-            )
+            bucket.adopts = len(bucket.params) == 1
         self.next_launch = 0  # buckets before this index have launched this step
         #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
         #: None: on CUDA only (:meth:`gather`).
@@ -631,26 +689,19 @@ class BucketEngine:
         holding them too (buckets between steps only), where that is what keeps the
         bucket's memory at DDP's: a bucket with a residual holds two buffers, DDP one.
         A bucket without a residual (``Dense``, small parameters, no error feedback) keeps
-        its one buffer, and allocating it anew would only cost time. A bucket whose
-        compression replays from a CUDA graph keeps its buffers: a graph reads and writes
-        fixed addresses, and a buffer allocated anew every step lands elsewhere (measured
-        on an H200: graphs then replayed in under half the steps, and each miss cost a
-        capture)."""
-        for index, bucket in enumerate(self.buckets):
+        its one buffer, and allocating it anew would only cost time. (A bucket compressed
+        from a CUDA graph is no exception: the graph finds the buffers it reads through
+        :class:`CompressGraphs`'s address table, wherever they are.)"""
+        for bucket in self.buckets:
             if bucket.exchange is not None or bucket.pending != len(bucket.params):
                 continue
-            if bucket.adopts:  # the next backward's gradient becomes its buffer
-                bucket.release()
-                continue
-            if bucket.residual is None:
-                continue
-            if self.graph_signature(bucket, self.compressor_of(bucket), index) is None:
+            if bucket.adopts or bucket.residual is not None:
                 bucket.release()
 
     def graph_signature(self, bucket: Bucket, compressor: Compressor, index: int):
         """The signature under which the ``index``-th bucket is compressed from CUDA graphs
         (:meth:`CompressGraphs.signature`), or None: eagerly."""
-        if self.graphs is None or bucket.adopts:
+        if self.graphs is None:
             return None
         return self.graphs.signature(compressor, bucket.device, bucket.numel, index)
 

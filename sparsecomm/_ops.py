@@ -55,13 +55,17 @@ def threshold_compress(grad, residual, threshold_value):
     return impl(grad, residual, threshold_value)
 
 
-def topk_compress(grad, residual, k):
+def topk_compress(grad, residual, k, addresses=None):
     impl = _pick(grad, _topk.topk_compress, _topk.topk_compress_cpu, _topk.topk_compress_ref)
-    return impl(grad, residual, k)
+    if impl is _topk.topk_compress:
+        return impl(grad, residual, k, addresses)
+    return impl(grad, residual, k)  # (addresses: only the kernels read buffers through it)
 
 
-def cast_compress(grad, residual, dtype, scale, limit=None, out=None):
+def cast_compress(grad, residual, dtype, scale, limit=None, out=None, addresses=None):
     impl = _pick(grad, _cast.cast_compress, _cast.cast_compress_cpu, _cast.cast_compress_ref)
+    if impl is _cast.cast_compress:
+        return impl(grad, residual, dtype, scale, limit, out, addresses)
     return impl(grad, residual, dtype, scale, limit, out)
 
 

@@ -178,13 +178,16 @@ class Compressor:
     def graph_signature(self, numel: int) -> tuple | None:
         """What fixes the shapes and kernels of ``compress`` on a bucket of ``numel``
         elements, when it can be captured in a CUDA graph (no host synchronisation, no
-        size that depends on the data); None when it cannot."""
+        size that depends on the data); None when it cannot. A compressor that returns a
+        signature takes ``compress(..., addresses=table)``: its kernels then read where
+        ``grad``, ``residual`` (and ``out``) are from that int64 device tensor when they
+        run, so that one graph serves the bucket whatever buffers it has this step."""
         return None
 
     def wire_buffer(self, numel: int, device: torch.device) -> torch.Tensor | None:
-        """A buffer that ``compress(..., out=buffer)`` writes the bucket's message into,
-        for compressors whose message is as large as the bucket (so that the CUDA graphs of
-        a bucket's two buffer pairings share one); None for the others."""
+        """A new buffer that ``compress(..., out=buffer)`` writes the bucket's message
+        into, for compressors whose message is as large as the bucket (a graph replayed
+        on it finds it through ``addresses``); None for the others."""
         return None
 
     def __repr__(self) -> str:
@@ -312,10 +315,10 @@ class Cast(Compressor):
     def wire_buffer(self, numel, device):
         return torch.empty(numel, dtype=self.dtype, device=device)
 
-    def compress(self, grad, residual, world_size, out=None):
+    def compress(self, grad, residual, world_size, out=None, addresses=None):
         scale = self.prescale(world_size)
         limit = self.limit(world_size)
-        half = _ops.cast_compress(grad, residual, self.dtype, scale, limit, out)
+        half = _ops.cast_compress(grad, residual, self.dtype, scale, limit, out, addresses)
         return Message(numel=grad.numel(), values=half, scale=scale)
 
     def start(self, message, comm, check=True):
@@ -568,10 +571,10 @@ class TopK(_Sparse):
     def graph_signature(self, numel):
         return ("TopK", self.k_for(numel))
 
-    def compress(self, grad, residual, world_size):
+    def compress(self, grad, residual, world_size, addresses=None):
         numel = grad.numel()
         k = self.k_for(numel)
-        indices, values = _ops.topk_compress(grad, residual, k)
+        indices, values = _ops.topk_compress(grad, residual, k, addresses)
         return Message(numel=numel, values=values, indices=indices, count=k)
 
     def _gather_counts(self, message, comm):

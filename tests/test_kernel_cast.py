@@ -17,6 +17,7 @@ import torch
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
+from sparsecomm.triton_kernels import _indirect
 from sparsecomm.triton_kernels.cast import (
     BLOCK_SIZE,
     cast_compress,
@@ -280,3 +281,33 @@ def test_out_is_written_and_checked(impl):
         impl(grad, None, torch.float16, 0.5, None, out[:-1])
     with pytest.raises(ValueError, match="out must be"):
         impl(grad, None, torch.float16, 0.5, None, out.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("n", [1, 7, BLOCK_SIZE + 1])
+def test_through_addresses_gives_the_direct_bits(dtype, with_residual, n):
+    """With ``addresses`` the kernel reads and writes the buffers the table names, not the
+    (decoy) tensors it is passed, and computes the same bits as a direct call."""
+    gen = torch.Generator().manual_seed(n)
+    grad = (torch.randn(n, generator=gen) * 1e3).to(DEVICE)
+    grad[0] = NAN
+    residual = torch.randn(n, generator=gen).to(DEVICE) if with_residual else None
+    direct_residual = None if residual is None else residual.clone()
+    direct = cast_compress(grad, direct_residual, dtype, 0.5, None)
+    out = torch.empty(n, dtype=dtype, device=DEVICE)
+    decoy_grad = torch.full_like(grad, INF)
+    decoy_residual = None if residual is None else torch.full_like(grad, INF)
+    decoy_out = torch.zeros(n, dtype=dtype, device=DEVICE)
+    table = _indirect.table(grad.device, grad, residual, out)
+    returned = cast_compress(
+        decoy_grad, decoy_residual, dtype, 0.5, None, decoy_out, addresses=table
+    )
+    assert returned is decoy_out and not decoy_out.any()  # the decoys are not touched
+    assert decoy_grad.isinf().all()
+    assert decoy_residual is None or decoy_residual.isinf().all()
+    assert torch.equal(out.view(torch.int16), direct.view(torch.int16))
+    if residual is not None:
+        assert torch.equal(residual.view(torch.int32), direct_residual.view(torch.int32))
+    with pytest.raises(ValueError, match="takes out="):
+        cast_compress(grad, None, dtype, 0.5, None, None, addresses=table)

@@ -16,6 +16,7 @@ import torch
 from conftest import DEVICE, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sparsecomm.triton_kernels import _indirect
 from sparsecomm.triton_kernels import topk as topk_module
 from sparsecomm.triton_kernels.topk import topk_compress, topk_compress_ref
 from strategies import SIZES, gradients
@@ -64,13 +65,27 @@ def _first_difference(name: str, expected: torch.Tensor, actual: torch.Tensor) -
     return f"{name}: {int((expected != actual).sum())} elements differ, first: {rows}"
 
 
-def assert_matches_reference(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> None:
+def assert_matches_reference(
+    grad: torch.Tensor, residual: torch.Tensor | None, k: int, through_addresses: bool = False
+) -> None:
+    """``through_addresses``: the launcher gets decoy tensors (NaN, which would show in the
+    result if read) and the real buffers' addresses in an ``addresses`` table."""
     grad = grad.to(DEVICE)
     residual = None if residual is None else residual.to(DEVICE)
     ref_residual = None if residual is None else residual.clone()
     out_residual = None if residual is None else residual.clone()
     ref_index, ref_value = topk_compress_ref(grad.clone(), ref_residual, k)
-    index, value = topk_compress(grad.clone(), out_residual, k)
+    if through_addresses:
+        real_grad = grad.clone()
+        decoys = [torch.full_like(grad, math.nan), None]
+        if residual is not None:
+            decoys[1] = torch.full_like(grad, math.nan)
+        table = _indirect.table(grad.device, real_grad, out_residual)
+        index, value = topk_compress(decoys[0], decoys[1], k, addresses=table)
+        assert torch.equal(real_grad, grad)  # read, not written
+        assert all(d is None or d.isnan().all() for d in decoys)  # never touched
+    else:
+        index, value = topk_compress(grad.clone(), out_residual, k)
     assert index.dtype == torch.int32 and value.dtype == torch.float32
     assert index.device == grad.device and value.device == grad.device
     assert torch.equal(index, ref_index), _first_difference("indices", ref_index, index)
@@ -110,6 +125,26 @@ def test_matches_reference(case):
 def test_matches_reference_with_small_tiles(case):
     with small_tiles():
         assert_matches_reference(*case)
+
+
+@settings(max_examples=examples(15))
+@given(case=topk_cases(max_size=700))
+def test_matches_reference_through_addresses(case):
+    grad, residual, k = case
+    with small_tiles():
+        assert_matches_reference(grad, residual, max(k, 1), through_addresses=True)
+
+
+def test_addresses_arguments():
+    grad, residual = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
+    table = _indirect.table(grad.device, grad, residual)
+    with pytest.raises(ValueError, match="k >= 1"):
+        topk_compress(grad, residual, 0, addresses=table)
+    with pytest.raises(ValueError, match="int64 tensor of 3"):
+        topk_compress(grad, residual, 1, addresses=table[:2])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flat = torch.randn(65, device=DEVICE)
+        topk_compress(flat[1:], None, 1, addresses=table)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -244,8 +279,10 @@ def kernel_trace(grad: torch.Tensor, residual: torch.Tensor | None, k: int, full
 
     class Sample:
         def __getitem__(self, grid):
-            def launch(grad_ptr, acc_ptr, sample_hist, done, window, *args, **kwargs):
-                real_sample[grid](grad_ptr, acc_ptr, sample_hist, done, window, *args, **kwargs)
+            def launch(grad_ptr, acc_ptr, addresses, sample_hist, done, window, *args, **kwargs):
+                real_sample[grid](
+                    grad_ptr, acc_ptr, addresses, sample_hist, done, window, *args, **kwargs
+                )
                 copies = sample_hist.view(kwargs["COPIES"], -1)
                 record["sample_hist"] = copies.sum(0).cpu()
                 record["bound"] = int(window.item()) & 0xFFFFFFFF
@@ -258,7 +295,8 @@ def kernel_trace(grad: torch.Tensor, residual: torch.Tensor | None, k: int, full
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 real_candidates[grid](*args, **kwargs)
-                record["total"] = int(args[6].item())  # (grad, acc, window, ..., total, n)
+                # (grad, acc, addresses, window, ..., total, n)
+                record["total"] = int(args[7].item())
 
             return launch
 
@@ -321,6 +359,8 @@ def test_sample_bound_too_high_falls_back():
             assert record["total"] < k, record["total"]  # too few: the kernel's fallback
             _assert_same_as_reference(record, grad, k)
             assert_matches_reference(grad, torch.zeros(n), k)
+            assert_matches_reference(grad, torch.zeros(n), k, through_addresses=True)
+            assert_matches_reference(grad, None, k, through_addresses=True)
 
 
 def test_sample_bound_below_every_element():

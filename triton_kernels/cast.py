@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _cpu
+from . import _cpu, _indirect
 from ._checks import DtypeError, check_grad_residual
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -27,14 +27,21 @@ def _cast_compress_kernel(
     grad_ptr,
     residual_ptr,
     half_ptr,
+    addresses_ptr,
     n,
     scale,
     inv_scale,
     LIMIT: tl.constexpr,
     FLOAT32_MAX: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    INDIRECT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
+    grad_ptr = _indirect.resolve(addresses_ptr, _indirect.GRAD, grad_ptr, INDIRECT)
+    residual_ptr = _indirect.resolve(
+        addresses_ptr, _indirect.RESIDUAL, residual_ptr, INDIRECT and HAS_RESIDUAL
+    )
+    half_ptr = _indirect.resolve(addresses_ptr, _indirect.OUT, half_ptr, INDIRECT)
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     in_bounds = offsets < n
@@ -66,6 +73,7 @@ def cast_compress(
     scale: float = 1.0,
     limit: float | None = None,
     out: torch.Tensor | None = None,
+    addresses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused Triton version of :func:`cast_compress_ref`, the same bits.
 
@@ -82,6 +90,10 @@ def cast_compress(
             the largest finite value of ``dtype``; must be one of ``dtype``'s values).
         out: a ``dtype`` tensor of ``grad``'s size and device to write the result into
             (default: a new one).
+        addresses: None, or an int64 device tensor from which the kernel reads where
+            ``grad``, ``residual`` and ``out`` are when it runs (``triton_kernels._indirect``),
+            so that a CUDA graph of this call can be replayed on buffers that moved; it
+            takes ``out``, and the addresses of the tensors passed must be in it.
 
     Returns:
         The ``dtype`` tensor ``half``.
@@ -96,6 +108,9 @@ def cast_compress(
     limit = check_cast_args(dtype, scale, limit)
     n = grad.numel()
     half = _half_out(out, n, dtype, grad.device)
+    if addresses is not None and out is None:
+        raise ValueError("addresses takes out= too: the half tensor must have a known address")
+    _indirect.check_addresses(addresses, grad.device, grad, residual, out)
     if n == 0:
         return half
     scale32, inv_scale32 = _float32_scales(scale)
@@ -104,12 +119,14 @@ def cast_compress(
         grad,
         residual if residual is not None else grad,  # never touched without HAS_RESIDUAL
         half,
+        grad if addresses is None else addresses,
         n,
         scale32,
         inv_scale32,
         LIMIT=limit,
         FLOAT32_MAX=torch.finfo(torch.float32).max,
         HAS_RESIDUAL=residual is not None,
+        INDIRECT=addresses is not None,
         BLOCK_SIZE=BLOCK_SIZE,
         num_warps=NUM_WARPS,
         # torch rounds acc - float(half) * inv_scale twice; keep the compiler from fusing it

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _cpu
+from . import _cpu, _indirect
 from ._checks import check_count, check_grad_residual
 
 # Keys. A magnitude is ordered by the bits of abs(acc); shifting the float's bits left by
@@ -104,6 +104,7 @@ def _topk_key(acc):
 def _topk_sample_kernel(
     grad_ptr,
     residual_ptr,
+    addresses_ptr,
     sample_hist_ptr,
     done_ptr,
     window_ptr,
@@ -111,10 +112,15 @@ def _topk_sample_kernel(
     stride,
     m,
     HAS_RESIDUAL: tl.constexpr,
+    INDIRECT: tl.constexpr,
     BLOCK: tl.constexpr,
     FINE_BITS: tl.constexpr,
     COPIES: tl.constexpr,
 ):
+    grad_ptr = _indirect.resolve(addresses_ptr, _indirect.GRAD, grad_ptr, INDIRECT)
+    residual_ptr = _indirect.resolve(
+        addresses_ptr, _indirect.RESIDUAL, residual_ptr, INDIRECT and HAS_RESIDUAL
+    )
     lanes = tl.arange(0, BLOCK)
     sample = tl.program_id(0) * BLOCK + lanes
     valid = sample < samples
@@ -161,6 +167,7 @@ def _topk_window(sample_hist_ptr, window_ptr, m, FINE_BITS: tl.constexpr, COPIES
 def _topk_candidates_kernel(
     grad_ptr,
     residual_ptr,
+    addresses_ptr,
     window_ptr,
     cand_index_ptr,
     cand_value_ptr,
@@ -168,10 +175,15 @@ def _topk_candidates_kernel(
     total_ptr,
     n,
     HAS_RESIDUAL: tl.constexpr,
+    INDIRECT: tl.constexpr,
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
     ROW: tl.constexpr,
 ):
+    grad_ptr = _indirect.resolve(addresses_ptr, _indirect.GRAD, grad_ptr, INDIRECT)
+    residual_ptr = _indirect.resolve(
+        addresses_ptr, _indirect.RESIDUAL, residual_ptr, INDIRECT and HAS_RESIDUAL
+    )
     chunk = tl.program_id(0)
     start = chunk.to(tl.int64) * (BLOCK * ITERS)
     lowest = tl.load(window_ptr).to(tl.uint32, bitcast=True)
@@ -206,6 +218,7 @@ def _topk_candidates_kernel(
 @triton.jit
 def _topk_level_kernel(
     acc_ptr,
+    addresses_ptr,
     cand_index_ptr,
     cand_value_ptr,
     cand_count_ptr,
@@ -215,6 +228,8 @@ def _topk_level_kernel(
     num_chunks,
     k,
     LEVEL: tl.constexpr,
+    ACC_SLOT: tl.constexpr,
+    INDIRECT: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNKS_PER_PROGRAM: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -229,6 +244,7 @@ def _topk_level_kernel(
         # candidate, chunk by chunk, before the histogram below reads them back. The usual
         # case reads one counter and does nothing else.
         if tl.load(total_ptr) < k:
+            acc_ptr = _indirect.resolve(addresses_ptr, ACC_SLOT, acc_ptr, INDIRECT)
             for j in range(CHUNKS_PER_PROGRAM):
                 start = (first_chunk + j).to(tl.int64) * CHUNK
                 if start < n:
@@ -338,13 +354,18 @@ def _topk_write_kernel(
     out_index_ptr,
     out_value_ptr,
     residual_ptr,
+    addresses_ptr,
     k,
     HAS_RESIDUAL: tl.constexpr,
+    INDIRECT: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
 ):
+    residual_ptr = _indirect.resolve(
+        addresses_ptr, _indirect.RESIDUAL, residual_ptr, INDIRECT and HAS_RESIDUAL
+    )
     chunk = tl.program_id(0)
     start = chunk.to(tl.int64) * CHUNK
     threshold, ties_needed = _topk_resolve(hist_ptr, k, NUM_LEVELS, NUM_BINS)
@@ -401,7 +422,10 @@ def _sample_bound(n: int, k: int) -> tuple[int, int, int]:
 
 
 def topk_compress(
-    grad: torch.Tensor, residual: torch.Tensor | None, k: int
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    k: int,
+    addresses: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`topk_compress_ref`: the same bits, no host synchronisation.
 
@@ -428,6 +452,10 @@ def topk_compress(
         residual: float32 tensor like ``grad``, updated in place to ``acc`` where an element
             is not sent and to 0 where it is; ``None`` runs without error feedback.
         k: number of elements to send, a host int with ``0 <= k <= n``.
+        addresses: None, or an int64 device tensor from which the kernels read where
+            ``grad`` and ``residual`` are when they run (``triton_kernels._indirect``), so
+            that a CUDA graph of this call can be replayed on buffers that moved; the
+            tensors passed then give only the size, and their addresses must be in it.
 
     Returns:
         ``(indices, values)``: ``k`` int32 indices in ascending order and the float32
@@ -442,6 +470,10 @@ def topk_compress(
     k = _check_inputs(grad, residual, k)
     n = grad.numel()
     device = grad.device
+    _indirect.check_addresses(addresses, device, grad, residual)
+    indirect = addresses is not None
+    if indirect and k == 0:
+        raise ValueError("addresses takes k >= 1 (k = 0 runs one torch op, not the kernels)")
     out_index = torch.empty(k, dtype=torch.int32, device=device)
     out_value = torch.empty(k, dtype=torch.float32, device=device)
     if k == 0:
@@ -470,19 +502,22 @@ def topk_compress(
 
     samples, stride, m = _sample_bound(n, k)
     _topk_sample_kernel[(triton.cdiv(samples, _SAMPLE_BLOCK),)](
-        grad, acc, sample_hist, done, window, samples, stride, m,
-        HAS_RESIDUAL=has_residual, BLOCK=_SAMPLE_BLOCK, FINE_BITS=_FINE_BITS,
-        COPIES=_SAMPLE_COPIES, num_warps=4,
+        grad, acc, addresses if indirect else grad, sample_hist, done, window, samples,
+        stride, m, HAS_RESIDUAL=has_residual, INDIRECT=indirect, BLOCK=_SAMPLE_BLOCK,
+        FINE_BITS=_FINE_BITS, COPIES=_SAMPLE_COPIES, num_warps=4,
     )  # fmt: skip
     _topk_candidates_kernel[(num_chunks,)](
-        grad, acc, window, cand_index, cand_value, cand_count, total, n,
-        HAS_RESIDUAL=has_residual, BLOCK=_CHUNK_BLOCK, ITERS=_CHUNK_ITERS, ROW=_PARTITION_ROW,
+        grad, acc, addresses if indirect else grad, window, cand_index, cand_value,
+        cand_count, total, n, HAS_RESIDUAL=has_residual, INDIRECT=indirect,
+        BLOCK=_CHUNK_BLOCK, ITERS=_CHUNK_ITERS, ROW=_PARTITION_ROW,
         num_warps=_CHUNK_WARPS,
     )  # fmt: skip
     for level in range(_NUM_LEVELS):
         _topk_level_kernel[(triton.cdiv(num_chunks, _LEVEL_CHUNKS),)](
-            acc, cand_index, cand_value, cand_count, total, hist, n, num_chunks, k,
-            LEVEL=level, CHUNK=chunk, CHUNKS_PER_PROGRAM=_LEVEL_CHUNKS, BLOCK=_CAND_BLOCK,
+            acc, addresses if indirect else acc, cand_index, cand_value, cand_count, total,
+            hist, n, num_chunks, k, LEVEL=level,
+            ACC_SLOT=_indirect.RESIDUAL if has_residual else _indirect.GRAD,
+            INDIRECT=indirect, CHUNK=chunk, CHUNKS_PER_PROGRAM=_LEVEL_CHUNKS, BLOCK=_CAND_BLOCK,
             NUM_BINS=_NUM_BINS, num_warps=_CHUNK_WARPS,
         )  # fmt: skip
     _topk_tie_count_kernel[(num_chunks,)](
@@ -495,8 +530,9 @@ def topk_compress(
         BLOCK=_SCAN_BLOCK, NUM_BINS=_NUM_BINS, NUM_LEVELS=_NUM_LEVELS, num_warps=4,
     )  # fmt: skip
     _topk_write_kernel[(num_chunks,)](
-        cand_index, cand_value, cand_count, chunk_offsets, hist, out_index, out_value, acc, k,
-        HAS_RESIDUAL=has_residual, CHUNK=chunk, BLOCK=_CAND_BLOCK, NUM_BINS=_NUM_BINS,
+        cand_index, cand_value, cand_count, chunk_offsets, hist, out_index, out_value, acc,
+        addresses if indirect else acc, k, HAS_RESIDUAL=has_residual, INDIRECT=indirect,
+        CHUNK=chunk, BLOCK=_CAND_BLOCK, NUM_BINS=_NUM_BINS,
         NUM_LEVELS=_NUM_LEVELS, num_warps=_CHUNK_WARPS,
     )  # fmt: skip
     return out_index, out_value
