@@ -326,16 +326,8 @@ class CompressGraphs:
         try:
             return compressor.compress(grad, residual, world_size, **kwargs)
         except Exception as error:  # a real error in the arguments raises again below
-            self.failed = True
-            warnings.warn(
-                f"sparsecomm: {compressor!r} failed reading its buffers through an address "
-                f"table ({type(error).__name__}: {error}); compressing without CUDA graphs "
-                "from now on",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            kwargs.pop("addresses")
-            return compressor.compress(grad, residual, world_size, **kwargs)
+            reason = f"reading its buffers through an address table failed ({error!r})"
+            return self._give_up(reason, compressor, grad, residual, world_size, kwargs)
 
     def _capture(self, compressor, grad, residual, world_size, key, owner, kwargs) -> Message:
         graph = torch.cuda.CUDAGraph()
@@ -346,20 +338,24 @@ class CompressGraphs:
                 message = compressor.compress(grad, residual, world_size, **kwargs)
                 message.known_peak = message.peak(world_size)
         except RuntimeError as error:  # nothing ran: compress eagerly, from now on
-            self.failed = True
-            warnings.warn(
-                f"sparsecomm: capturing {compressor!r} in a CUDA graph failed ({error}); "
-                "compressing without graphs from now on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            kwargs.pop("addresses")
-            return compressor.compress(grad, residual, world_size, **kwargs)
+            reason = f"capturing it in a CUDA graph failed ({error})"
+            return self._give_up(reason, compressor, grad, residual, world_size, kwargs)
         self.graphs[owner] = (key, graph, message)
         self.captured += 1
         graph.replay()  # capturing ran nothing
         self.replays += 1
         return dataclasses.replace(message)
+
+    def _give_up(self, reason, compressor, grad, residual, world_size, kwargs) -> Message:
+        """Compress eagerly, without the address table, and without graphs from now on."""
+        self.failed = True
+        warnings.warn(
+            f"sparsecomm: {compressor!r}: {reason}; compressing without CUDA graphs from now on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        kwargs.pop("addresses")
+        return compressor.compress(grad, residual, world_size, **kwargs)
 
 
 class _AddressTable:
@@ -370,26 +366,23 @@ class _AddressTable:
     read it."""
 
     def __init__(self, device: torch.device):
-        self.device = device
         cuda = device.type == "cuda"
         self.host = torch.zeros(_indirect.SLOTS, dtype=torch.int64, pin_memory=cuda)
         self.host_view = self.host.numpy()
-        self.table = self.host if not cuda else torch.zeros_like(self.host, device=device)
+        self.table = torch.zeros_like(self.host, device=device) if cuda else self.host
         self.event = torch.cuda.Event() if cuda else None
-        self.pending = False
         self.current: tuple = ()
 
     def write(self, *buffers) -> torch.Tensor:
         addresses = tuple(0 if b is None else b.data_ptr() for b in buffers)
         if addresses != self.current:
-            if self.pending:
-                self.event.synchronize()  # the last copy out of self.host has run (cheap)
+            if self.event is not None:  # (an event never recorded returns at once)
+                self.event.synchronize()  # the last copy out of self.host has run
             self.host_view[: len(addresses)] = addresses
             self.current = addresses
             if self.event is not None:
                 self.table.copy_(self.host, non_blocking=True)
                 self.event.record()
-                self.pending = True
         return self.table
 
 

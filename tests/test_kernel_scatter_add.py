@@ -264,9 +264,9 @@ def test_bad_arguments_error_types(args, error, message, impl):
         fn(*args, out=out)
 
 
-@pytest.mark.parametrize("impl", ["kernel", "ref", "cpu"])
-@pytest.mark.parametrize("numel", [1, 7, SMALL_TILE + 1, 1000])
-def test_out_is_overwritten_and_returned(impl, numel):
+def three_messages(impl: str, numel: int):
+    """For the ``out`` and ``skip`` tests: the implementation, its device, a generator, and
+    three ranks' messages (one half full, one full, one empty) with their sum at scale 0.25."""
     fn = IMPLS[impl]
     device = "cpu" if impl == "cpu" else DEVICE
     gen = torch.Generator().manual_seed(numel)
@@ -274,6 +274,13 @@ def test_out_is_overwritten_and_returned(impl, numel):
     values = torch.randn(3 * (numel + 1), generator=gen)
     indices, values = random_messages(3, numel, counts, 1, values, numel, device=device)
     expected = scatter_add_ref(indices, values, counts, numel, 0.25)
+    return fn, device, gen, counts, indices, values, expected
+
+
+@pytest.mark.parametrize("impl", ["kernel", "ref", "cpu"])
+@pytest.mark.parametrize("numel", [1, 7, SMALL_TILE + 1, 1000])
+def test_out_is_overwritten_and_returned(impl, numel):
+    fn, device, gen, counts, indices, values, expected = three_messages(impl, numel)
     # Garbage (NaN) in out must not leak into the sum: out is overwritten, not added to.
     for out in [torch.full((numel,), math.nan, device=device), torch.empty(1, numel)]:
         out = out.to(device)
@@ -293,13 +300,7 @@ def test_out_is_overwritten_and_returned(impl, numel):
 def test_skip_keeps_out_or_writes_the_sum(impl, numel):
     # skip (a bool read on the device) True: out keeps every bit, NaN and -0.0 included,
     # also with nothing to add; False: exactly the sum without skip.
-    fn = IMPLS[impl]
-    device = "cpu" if impl == "cpu" else DEVICE
-    gen = torch.Generator().manual_seed(numel)
-    counts = [numel // 2, numel, 0]
-    values = torch.randn(3 * (numel + 1), generator=gen)
-    indices, values = random_messages(3, numel, counts, 1, values, numel, device=device)
-    expected = scatter_add_ref(indices, values, counts, numel, 0.25)
+    fn, device, gen, counts, indices, values, expected = three_messages(impl, numel)
     old = torch.randn(numel, generator=gen).to(device)
     old[0], old[-1] = math.nan, -0.0
     for m in [indices.shape[1], 0]:
