@@ -87,6 +87,88 @@ def same_bits(a, b) -> bool:
     return all(same_bits(x, y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+def measure(n: int, repeats: int, row) -> None:
+    """Time every CPU path and its reference on one bucket of n elements; `row` records."""
+    gen = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=gen)
+    residual0 = torch.randn(n, generator=gen) * 0.5
+    residual = residual0.clone()
+    restore = lambda: residual.copy_(residual0)  # noqa: E731
+    dst = torch.empty(n)
+
+    seconds = timed(lambda: torch.add(grad, residual, out=residual), restore, repeats)
+    row("bandwidth", n, "", "torch.add(g, r, out=r)", seconds, 12 * n)
+    seconds = timed(lambda: dst.copy_(grad), None, repeats)
+    row("bandwidth", n, "", "dst.copy_(src)", seconds, 8 * n)
+
+    for density in DENSITIES:
+        k = math.ceil(density * n)
+        label = f"{k:.0e}".replace("e+0", "e")
+        # top-k with error feedback
+        restore()
+        cpu = topk_compress_cpu(grad, residual, k), residual.clone()
+        restore()
+        ref = topk_compress_ref(grad, residual, k), residual.clone()
+        bits = "yes" if same_bits(cpu, ref) else "NO"
+        for provider, fn in [("topk_compress_cpu", topk_compress_cpu),
+                             ("topk_compress_ref", topk_compress_ref)]:  # fmt: skip
+            seconds = timed(lambda fn=fn, k=k: fn(grad, residual, k), restore, repeats)
+            row("top-k, EF", n, label, provider, seconds, 12 * n + 8 * k,
+                bits if provider.endswith("cpu") else "")  # fmt: skip
+
+        # threshold at the magnitude that sends about k elements
+        acc = (grad + residual0).abs()
+        threshold = float(acc.kthvalue(n - k + 1).values)
+        del acc
+        restore()
+        cpu = threshold_compress_cpu(grad, residual, threshold), residual.clone()
+        restore()
+        ref = threshold_compress_ref(grad, residual, threshold), residual.clone()
+        bits = "yes" if same_bits(cpu, ref) else "NO"
+        sent = int(cpu[0][2])
+        for provider, fn in [("threshold_compress_cpu", threshold_compress_cpu),
+                             ("threshold_compress_ref", threshold_compress_ref)]:  # fmt: skip
+            seconds = timed(lambda fn=fn, t=threshold: fn(grad, residual, t), restore, repeats)
+            row("threshold, EF", n, f"{sent}", provider, seconds, 12 * n + 8 * sent,
+                bits if provider.endswith("cpu") else "")  # fmt: skip
+
+        # deterministic aggregation of WORLD_SIZE messages of k pairs
+        indices = torch.stack(
+            [torch.randperm(n, generator=gen)[:k].sort().values for _ in range(WORLD_SIZE)]
+        ).to(torch.int32)
+        values = torch.randn(WORLD_SIZE, k, generator=gen)
+        out = torch.empty(n)
+        bits = same_bits(scatter_add_cpu(indices, values, None, n, 1 / WORLD_SIZE),
+                         scatter_add_ref(indices, values, None, n, 1 / WORLD_SIZE))  # fmt: skip
+        pairs = WORLD_SIZE * k
+        seconds = timed(
+            lambda i=indices, v=values, o=out: scatter_add_cpu(i, v, None, n, 1 / WORLD_SIZE,
+                                                               out=o),
+            None, repeats,
+        )  # fmt: skip
+        row(f"scatter-add W={WORLD_SIZE}", n, f"{pairs}", "scatter_add_cpu(out=)", seconds,
+            4 * n + 8 * pairs, "yes" if bits else "NO")  # fmt: skip
+        seconds = timed(
+            lambda i=indices, v=values: scatter_add_ref(i, v, None, n, 1 / WORLD_SIZE),
+            None, repeats,
+        )  # fmt: skip
+        row(f"scatter-add W={WORLD_SIZE}", n, f"{pairs}", "scatter_add_ref", seconds,
+            4 * n + 8 * pairs)  # fmt: skip
+
+    # fp16 cast with error feedback, scale 1/8 (W = 8)
+    restore()
+    cpu = cast_compress_cpu(grad, residual, torch.float16, 0.125), residual.clone()
+    restore()
+    ref = cast_compress_ref(grad, residual, torch.float16, 0.125), residual.clone()
+    bits = "yes" if same_bits(cpu, ref) else "NO"
+    for provider, fn in [("cast_compress_cpu", cast_compress_cpu),
+                         ("cast_compress_ref", cast_compress_ref)]:  # fmt: skip
+        seconds = timed(lambda fn=fn: fn(grad, residual, torch.float16, 0.125), restore,
+                        repeats)  # fmt: skip
+        row("fp16 cast, EF", n, "", provider, seconds, 14 * n,
+            bits if provider.endswith("cpu") else "")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -107,83 +189,7 @@ def main() -> None:
         )
 
     for n in sizes:
-        gen = torch.Generator().manual_seed(n)
-        grad = torch.randn(n, generator=gen)
-        residual0 = torch.randn(n, generator=gen) * 0.5
-        residual = residual0.clone()
-        restore = lambda: residual.copy_(residual0)  # noqa: E731
-        dst = torch.empty(n)
-
-        seconds = timed(lambda: torch.add(grad, residual, out=residual), restore, repeats)
-        row("bandwidth", n, "", "torch.add(g, r, out=r)", seconds, 12 * n)
-        seconds = timed(lambda: dst.copy_(grad), None, repeats)
-        row("bandwidth", n, "", "dst.copy_(src)", seconds, 8 * n)
-
-        for density in DENSITIES:
-            k = math.ceil(density * n)
-            label = f"{k:.0e}".replace("e+0", "e")
-            # top-k with error feedback
-            restore()
-            cpu = topk_compress_cpu(grad, residual, k), residual.clone()
-            restore()
-            ref = topk_compress_ref(grad, residual, k), residual.clone()
-            bits = "yes" if same_bits(cpu, ref) else "NO"
-            for provider, fn in [("topk_compress_cpu", topk_compress_cpu),
-                                 ("topk_compress_ref", topk_compress_ref)]:  # fmt: skip
-                seconds = timed(lambda fn=fn: fn(grad, residual, k), restore, repeats)
-                row("top-k, EF", n, label, provider, seconds, 12 * n + 8 * k,
-                    bits if provider.endswith("cpu") else "")  # fmt: skip
-
-            # threshold at the magnitude that sends about k elements
-            acc = (grad + residual0).abs()
-            threshold = float(acc.kthvalue(n - k + 1).values)
-            del acc
-            restore()
-            cpu = threshold_compress_cpu(grad, residual, threshold), residual.clone()
-            restore()
-            ref = threshold_compress_ref(grad, residual, threshold), residual.clone()
-            bits = "yes" if same_bits(cpu, ref) else "NO"
-            sent = int(cpu[0][2])
-            for provider, fn in [("threshold_compress_cpu", threshold_compress_cpu),
-                                 ("threshold_compress_ref", threshold_compress_ref)]:  # fmt: skip
-                seconds = timed(lambda fn=fn: fn(grad, residual, threshold), restore, repeats)
-                row("threshold, EF", n, f"{sent}", provider, seconds, 12 * n + 8 * sent,
-                    bits if provider.endswith("cpu") else "")  # fmt: skip
-
-            # deterministic aggregation of WORLD_SIZE messages of k pairs
-            indices = torch.stack(
-                [torch.randperm(n, generator=gen)[:k].sort().values for _ in range(WORLD_SIZE)]
-            ).to(torch.int32)
-            values = torch.randn(WORLD_SIZE, k, generator=gen)
-            out = torch.empty(n)
-            bits = same_bits(scatter_add_cpu(indices, values, None, n, 1 / WORLD_SIZE),
-                             scatter_add_ref(indices, values, None, n, 1 / WORLD_SIZE))  # fmt: skip
-            pairs = WORLD_SIZE * k
-            seconds = timed(
-                lambda: scatter_add_cpu(indices, values, None, n, 1 / WORLD_SIZE, out=out),
-                None, repeats,
-            )  # fmt: skip
-            row(f"scatter-add W={WORLD_SIZE}", n, f"{pairs}", "scatter_add_cpu(out=)", seconds,
-                4 * n + 8 * pairs, "yes" if bits else "NO")  # fmt: skip
-            seconds = timed(
-                lambda: scatter_add_ref(indices, values, None, n, 1 / WORLD_SIZE), None, repeats
-            )
-            row(f"scatter-add W={WORLD_SIZE}", n, f"{pairs}", "scatter_add_ref", seconds,
-                4 * n + 8 * pairs)  # fmt: skip
-
-        # fp16 cast with error feedback, scale 1/8 (W = 8)
-        restore()
-        cpu = cast_compress_cpu(grad, residual, torch.float16, 0.125), residual.clone()
-        restore()
-        ref = cast_compress_ref(grad, residual, torch.float16, 0.125), residual.clone()
-        bits = "yes" if same_bits(cpu, ref) else "NO"
-        for provider, fn in [("cast_compress_cpu", cast_compress_cpu),
-                             ("cast_compress_ref", cast_compress_ref)]:  # fmt: skip
-            seconds = timed(lambda fn=fn: fn(grad, residual, torch.float16, 0.125), restore,
-                            repeats)  # fmt: skip
-            row("fp16 cast, EF", n, "", provider, seconds, 14 * n,
-                bits if provider.endswith("cpu") else "")  # fmt: skip
-        del grad, residual0, residual, dst
+        measure(n, repeats, row)
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [

@@ -15,10 +15,9 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
-from sparsecomm import _ops
-from sparsecomm import triton_kernels as kernels
 from sparsecomm.triton_kernels import _checks, _cpu
 from sparsecomm.triton_kernels import cast as cast_module
 from sparsecomm.triton_kernels import scatter_add as scatter_module
@@ -28,8 +27,10 @@ from sparsecomm.triton_kernels.cast import cast_compress_cpu, cast_compress_ref
 from sparsecomm.triton_kernels.scatter_add import scatter_add_cpu, scatter_add_ref
 from sparsecomm.triton_kernels.threshold import threshold_compress_cpu, threshold_compress_ref
 from sparsecomm.triton_kernels.topk import topk_compress_cpu, topk_compress_ref
-from conftest import DEVICE
 from strategies import gradients
+
+from sparsecomm import _ops
+from sparsecomm import triton_kernels as kernels
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -101,7 +102,7 @@ def make(kind: str, n: int, seed: int) -> torch.Tensor:
         return x
     if kind == "mixed":
         x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-30, 30, (n,), generator=gen)
-        x[:: 7] = x[0]
+        x[::7] = x[0]
         return x
     raise ValueError(kind)
 
@@ -370,9 +371,7 @@ def test_scatter_add_negative_zero_and_empty():
     out = scatter_add_cpu(indices, values, None, 4, 1.0)
     assert bits(out).tolist()[:2] == [0, 0]  # 0.0 + -0.0 is +0.0
     for shape, numel, counts in [((0, 5), 10, None), ((3, 0), 10, None), ((2, 4), 0, [0, 0])]:
-        check_scatter(
-            torch.zeros(shape, dtype=torch.int32), torch.ones(shape), counts, numel, 0.5
-        )
+        check_scatter(torch.zeros(shape, dtype=torch.int32), torch.ones(shape), counts, numel, 0.5)
 
 
 def test_empty_buckets():
@@ -470,8 +469,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
         pytest.param(
             "triton",
             "",
-            marks=pytest.mark.skipif(not INTERPRETED, reason="kernels on CPU tensors need "
-                                     "TRITON_INTERPRET=1"),  # fmt: skip
+            marks=pytest.mark.skipif(
+                not INTERPRETED, reason="kernels on CPU tensors need TRITON_INTERPRET=1"
+            ),  # fmt: skip
         ),
     ],
 )

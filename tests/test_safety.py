@@ -361,9 +361,7 @@ LOAD_CASES = [
 
 @pytest.mark.parametrize(
     "corrupt, words",
-    [
-        pytest.param(corrupt, words, id=name) for name, corrupt, words, _why in LOAD_CASES
-    ],
+    [pytest.param(corrupt, words, id=name) for name, corrupt, words, _why in LOAD_CASES],
 )
 def test_load_state_dict_refuses_a_bad_state_and_changes_nothing(corrupt, words):
     model, opt, saved = _trained()
