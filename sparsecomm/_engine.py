@@ -724,6 +724,26 @@ class BucketEngine:
             for param in bucket.params:
                 param.grad = None
 
+    def in_progress(self) -> bool:
+        """Whether this step's exchange has begun: a bucket filled in part or launched."""
+        return self.next_launch > 0 or any(b.pending != len(b.params) for b in self.buckets)
+
+    def discard(self) -> None:
+        """Drop a step whose backward stopped part-way (it raised): launch the buckets it
+        did not reach, sending zeros for the gradients it never produced, wait for every
+        bucket, and drop the step as :meth:`abandon` does. Every bucket's collective is
+        issued once on each rank whatever point its backward reached, so ranks whose
+        backwards failed at different layers stay in step with each other."""
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            for member, filled in enumerate(bucket.filled):
+                if not filled:
+                    bucket.params[member].grad = None
+                    self.fill(bucket, member)
+            self._launch(bucket)
+        self.join()
+        self.abandon()
+
     def abandon(self) -> None:
         """Wait for every bucket and drop the step: residuals stay as they were, and the
         members' ``.grad`` stays None."""

@@ -303,11 +303,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``set_to_none=True`` (the default) the flat gradient buffers of buckets with an
         error-feedback residual are dropped as well, so that between steps only the
         residuals stay allocated (as DDP keeps only its buckets); the next backward
-        allocates them again as its gradients arrive.
-        Buckets compressed from CUDA graphs (``cuda_graphs=True``, ``TopK`` and ``Cast``
-        on CUDA, while their graphs replay) keep theirs: a graph needs fixed addresses;
-        ``cuda_graphs=False`` trades that speed for the memory. Zeroing ``.grad`` another
-        way (``model.zero_grad()``) keeps the buffers: correct, but the memory stays."""
+        allocates them again as its gradients arrive (buckets compressed from CUDA graphs
+        too: the graphs read their buffers' addresses from a table). Zeroing ``.grad``
+        another way (``model.zero_grad()``) keeps the buffers: correct, but the memory
+        stays.
+
+        Called between a backward and ``step()``, it drops that step, so that training can
+        go on, e.g. after catching an out-of-memory error that backward raised: a backward
+        that raised part-way leaves every residual as it was before it (the buckets it did
+        not reach are sent as zeros, so that ranks whose backwards stopped at different
+        layers stay in step, and the results are discarded); a backward that finished, its
+        gradients already exchanged, counts as a skipped step (``StepStats.skipped_steps``)
+        and keeps the residuals that exchange left. Collective in both cases: every rank
+        must drop the step."""
+        self._drop_step()
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
             self._engine.release_gradients()
@@ -497,6 +506,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self._engine.fill_from_hook(param)
         else:  # (entering no_grad costs more than the rest of a hook)
             self._engine.fill_from_hook(param)
+
+    def _drop_step(self) -> None:
+        """``zero_grad()`` between a backward and ``step()`` drops that step, so that the
+        next backward starts a new one: a step already exchanged (backward finished) counts
+        as skipped, its residuals as the exchange left them; a backward that raised
+        part-way is discarded (:meth:`BucketEngine.discard`), its residuals as they were
+        before it."""
+        if self._synchronized:
+            self._finish_step(skipped=True)
+        elif self._engine.in_progress():
+            with torch.no_grad():
+                self._engine.discard()
+            self._step_stats = StepStats()
+            self._engine.compress_seconds = 0.0
+            self._comm.seconds = 0.0
+        # A backward that raised never ran its end-of-backward callback.
+        self._callback_queued = False
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

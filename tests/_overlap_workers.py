@@ -119,6 +119,61 @@ def backward_twice(rank, world_size):
     return None
 
 
+class _Boom(torch.autograd.Function):
+    """Identity forward; backward raises while ``armed`` (an out-of-memory stand-in)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _Boom.armed:
+            raise MemoryError("out of memory (test)")
+        return grad
+
+
+def _loss(model, x, y, boom_at):
+    """The model's loss with _Boom after layer ``boom_at`` (None: nowhere)."""
+    for index, layer in enumerate(model):
+        x = layer(x)
+        if index == boom_at:
+            x = _Boom.apply(x)
+    return torch.nn.functional.mse_loss(x, y)
+
+
+def backward_fails_then_retries(rank, world_size, compressor, after_backward):
+    """Step 2's first backward raises (at a different layer on each rank, so the ranks have
+    sent different buckets), then zero_grad() and the same batch again; without failing,
+    the same training. ``after_backward``: the backward finishes instead (its gradients
+    exchanged) and zero_grad() drops that step before the retry."""
+    out = []
+    for fail in (True, False):
+        model = make_model()
+        opt = wrap(model, compressor)
+        launched = None
+        for step in range(4):
+            x, y = batch(rank, step)
+            if fail and step == 2:
+                _Boom.armed = not after_backward
+                try:
+                    _loss(model, x, y, boom_at=2 * rank).backward()
+                except MemoryError:
+                    pass
+                finally:
+                    _Boom.armed = False
+                launched = opt._engine.next_launch
+                opt.zero_grad()
+            _loss(model, x, y, boom_at=None).backward()
+            opt.step()
+            opt.zero_grad()
+        residuals = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
+        out.append((flat(model), residuals, launched, opt.total_stats.skipped_steps))
+    return out
+
+
 # ------------------------------------------------------------------ the DDP front door
 
 

@@ -55,6 +55,27 @@ def test_backward_twice_before_step_names_no_sync():
     assert all(e is not None and "no_sync" in e for e in errors), errors
 
 
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Dense()], ids=repr)
+def test_zero_grad_after_a_failed_backward_drops_it_and_the_retry_keeps_the_bits(compressor):
+    results = run_ranks(w.backward_fails_then_retries, 2, compressor, False)
+    launched = [failed[2] for failed, _ in results]
+    assert launched[0] != launched[1], launched  # the ranks stopped at different buckets
+    for rank, (failed, clean) in enumerate(results):
+        assert torch.equal(failed[0], clean[0]), f"rank {rank}: {_diff(failed[0], clean[0])}"
+        assert torch.equal(failed[1], clean[1]), f"rank {rank}: {_diff(failed[1], clean[1])}"
+        assert failed[3] == clean[3] == 0
+    assert torch.equal(results[0][0][0], results[1][0][0])
+
+
+def test_zero_grad_after_a_finished_backward_skips_the_step():
+    results = run_ranks(w.backward_fails_then_retries, 2, sparsecomm.TopK(0.1), True)
+    for failed, clean in results:
+        assert failed[3] == 1 and clean[3] == 0  # dropped, counted as skipped
+        assert not torch.equal(failed[1], clean[1])  # the dropped exchange moved the residual
+    assert torch.equal(results[0][0][0], results[1][0][0])
+    assert torch.equal(results[0][0][1], results[0][0][1])
+
+
 # ------------------------------------------------------------------ the DDP front door
 
 
