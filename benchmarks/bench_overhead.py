@@ -207,6 +207,8 @@ def measure_size(n: int, args, device, timer, lines: list[str], verdicts: list[s
         check += "; g + r drifted from the first gradient in: " + ", ".join(drifted)
     elif mode == "direct":
         check += "; g + r unchanged by the timed calls in all three: the same data throughout"
+    if args.profile and mode == "direct":
+        profile_steps(opt, args.profile, device, n)
     rows.append((f"inner SGD(lr=0) alone ({label})", inner_ms))
     rows.append((f"CompressedOptimizer.step() ({label})", step_ms))
     net = step_ms[0] - inner_ms[0]
@@ -237,6 +239,27 @@ def measure_size(n: int, args, device, timer, lines: list[str], verdicts: list[s
     verdicts.append(summary)
 
 
+def profile_steps(opt, steps: int, device, n: int) -> None:
+    """Print where ``steps`` direct ``step()`` calls spend host and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    for _ in range(3):
+        opt.step()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"# profile of {steps} step() calls at n={fmt_n(n)}, by host time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(f"# the same, by {sort}")
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -250,6 +273,10 @@ def main() -> None:
     parser.add_argument("--cpu-warmup", type=int, default=2)
     parser.add_argument("--cpu-reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="append the table here")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="also profile STEPS direct step() calls per size (torch.profiler, host and device)",
+    )  # fmt: skip
     args = parser.parse_args()
     started = time.monotonic()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -636,8 +636,8 @@ class BucketEngine:
         :meth:`~sparsecomm.compressors.Message.peak` this rank sent in any bucket this step
         (NaN or Inf if it sent one; None without buckets)."""
         peaks = [b.exchange.peak for b in self.buckets]
-        if not peaks:
-            return None
+        if len(peaks) < 2:
+            return peaks[0] if peaks else None
         device = peaks[0].device
         return torch.stack([p.to(device) for p in peaks]).max()  # max propagates NaN
 

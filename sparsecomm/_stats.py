@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -55,8 +55,12 @@ class StepStats:
         return out
 
     def __add__(self, other: StepStats) -> StepStats:
-        summed = {k: v + getattr(other, k) for k, v in asdict(self).items()}
+        # (not asdict(), which deep-copies every field: this runs every step)
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in _FIELDS}
         summed["scheduled_density"] = (
             other.scheduled_density if other.steps else self.scheduled_density
         )
         return StepStats(**summed)
+
+
+_FIELDS = fields(StepStats)

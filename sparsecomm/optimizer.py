@@ -211,6 +211,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
         self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
+        self._template: torch.Tensor | None = None  # for _flags_template
         #: The step's refusal, agreed by every rank (None: the step is good).
         self._refusal: NonFiniteGradientError | None = None
         self._step_stats = StepStats()
@@ -607,24 +608,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         the host (:meth:`_agree_on_step` waits for it)."""
         world_size = self.world_size
         device = peak.device if peak is not None else torch.device("cpu")
-        flags = torch.zeros(world_size + len(used_here), device=device)
-        if peak is not None:
-            flags[self.rank] = peak
+        # flags: [sum of the peaks (slot 0, set after the all-reduce), each rank's peak,
+        # each parameter's used flag]. Each rank's peak has a slot of its own (the others
+        # add 0 there, and NaN stays NaN), and a used flag is above 0 if any rank used the
+        # parameter.
         if all(used_here):
-            flags[world_size:] = 1.0  # (no copy from the host)
+            flags = self._flags_template(device, len(used_here)).clone()  # (no host copy)
         else:
+            flags = torch.zeros(1 + world_size + len(used_here), device=device)
             used = torch.tensor(used_here, dtype=torch.float32)
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
-            flags[world_size:] = used.to(device, non_blocking=True)
-        # A sum: each rank's peak has a slot of its own (the others add 0 there, and NaN
-        # stays NaN), and a used flag is above 0 if any rank used the parameter.
+            flags[1 + world_size :] = used.to(device, non_blocking=True)
+        if peak is not None:
+            flags[1 + self.rank] = peak
         self._comm.all_reduce_(flags)
-        peaks = flags[:world_size]
-        refused = ~torch.isfinite(peaks).all()
-        if world_size > 1:  # the sum over the ranks could overflow
-            refused |= peaks.sum() > 1
-        verdict = torch.cat([refused.view(1).float(), flags])
+        # The step is refused unless the peaks add up to at most the bound: a NaN or an Inf
+        # fails the comparison, and so does a sum over the ranks that could overflow. The
+        # host decides from the same float32 sum (slot 0), so it cannot disagree.
+        total = flags[0:1]
+        torch.sum(flags[1 : 1 + world_size], dim=0, keepdim=True, out=total)
+        refused = total.le(_peak_bound(world_size)).logical_not_()
+        verdict = flags
         if device.type != "cuda":
             return _Agreement(refused, verdict, None)
         host = self._verdict_buffer
@@ -634,6 +639,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         event = torch.cuda.Event()
         event.record()
         return _Agreement(refused, host, event)
+
+    def _flags_template(self, device: torch.device, num_params: int) -> torch.Tensor:
+        """The agreement's flags before this rank's peak goes in, when every parameter had
+        a gradient here: zeros, then ones (kept, so that a step copies it in one launch)."""
+        template = self._template
+        if template is None or template.device != device or template.numel() != (
+            1 + self.world_size + num_params
+        ):
+            template = torch.zeros(1 + self.world_size + num_params, device=device)
+            template[1 + self.world_size :] = 1.0
+            self._template = template
+        return template
 
     def _agree_on_step(self, agreement: _Agreement) -> tuple[list[int], bool, list[bool]]:
         """Wait for the verdict of :meth:`_start_agreement` (the step's one host sync).
@@ -645,7 +662,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         values = agreement.host.tolist()
         peaks = values[1 : 1 + world_size]
         used = [f > 0 for f in values[1 + world_size :]]
-        if not values[0]:
+        if values[0] <= _peak_bound(world_size):
             return [], False, used
         nonfinite = [r for r in range(world_size) if not math.isfinite(peaks[r])]
         if nonfinite:
@@ -920,11 +937,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return ours
 
 
+def _peak_bound(world_size: int) -> float:
+    """The largest sum of the ranks' peaks (:meth:`Message.peak`) a step accepts: 1 (their
+    sum stays finite), or with one rank any finite float32, whose peak may exceed 1 by
+    :func:`sum_limit`'s margin."""
+    return 1.0 if world_size > 1 else torch.finfo(torch.float32).max
+
+
 @dataclass
 class _Agreement:
-    """The step's agreement on its way to the host: ``refused``, a 0-dim bool tensor on
-    the device; ``host``, the verdict (refused, then the all-reduced flags), filled once
-    ``event`` (None off CUDA) has passed."""
+    """The step's agreement on its way to the host: ``refused``, a one-element bool tensor
+    on the device; ``host``, the verdict (the all-reduced flags: the sum of the peaks, the
+    peaks, the used flags), filled once ``event`` (None off CUDA) has passed."""
 
     refused: torch.Tensor
     host: torch.Tensor
