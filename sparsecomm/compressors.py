@@ -84,10 +84,20 @@ class Message:
         values = self.values if self.indices is None else self.values[: self.known_count()]
         if values.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=values.device)
-        # One pass (NaN propagates), then one divide: two launches.
-        peak = torch.linalg.vector_norm(values, ord=math.inf, dtype=torch.float32)
+        peak = _max_magnitude(values)
         # A divide, not a multiply: 1 / 3.4e38 would be a float32 subnormal.
         return peak.div_(sum_limit(values.dtype, world_size))
+
+
+def _max_magnitude(values: torch.Tensor) -> torch.Tensor:
+    """``max(|values|)`` as a 0-dim float32 tensor; NaN if any value is NaN."""
+    if values.is_cuda:
+        # One pass (NaN propagates), then the divide: two launches.
+        return torch.linalg.vector_norm(values, ord=math.inf, dtype=torch.float32)
+    # On a CPU the infinity norm is a scalar loop (6.5e6 float32: 20 ms on a 2-core AMD
+    # EPYC, where aminmax takes 1.4 ms); min and max give the same value, NaN included.
+    low, high = torch.aminmax(values)
+    return torch.maximum(high, low.neg()).to(torch.float32)
 
 
 def sum_limit(dtype: torch.dtype, world_size: int) -> float:

@@ -196,3 +196,34 @@ def test_finish_with_skip_keeps_out_or_writes_the_average(world_size, compressor
     assert _same_bits(out, old)
     compressor.finish(exchange(), out, skip=torch.tensor(False, device=DEVICE))
     assert _same_bits(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, -3.0, 2.0],
+        [-0.0, 0.0],
+        [-7.5],
+        [float("nan"), 1.0],
+        [1.0, float("-inf"), 2.0],
+        [float("inf"), float("nan")],
+        [3e38, -3.4e38, 1e-45],
+    ],
+    ids=repr,
+)
+def test_message_peak_is_the_largest_magnitude_over_the_sum_limit(values, dtype):
+    # CPU and CUDA compute max |values| differently (aminmax against the infinity norm):
+    # both must give the infinity norm's bits, NaN where a value is NaN.
+    from sparsecomm.compressors import Message, sum_limit
+
+    tensor = torch.tensor(values).to(dtype).to(DEVICE)
+    for world_size in (1, 3):
+        peak = Message(numel=tensor.numel(), values=tensor).peak(world_size)
+        norm = torch.linalg.vector_norm(tensor.cpu().float(), ord=float("inf"))
+        expected = norm / sum_limit(dtype, world_size)
+        assert peak.dtype == torch.float32 and peak.dim() == 0
+        if torch.isnan(expected):
+            assert torch.isnan(peak), (values, dtype, peak)
+        else:
+            assert torch.equal(peak.cpu(), expected), (values, dtype, peak, expected)
