@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--lr", type=float, default=1e-3)
     add("--lr-warmup", type=int, default=20)
     add("--weight-decay", type=float, default=0.01)
+    add("--adamw", choices=("default", "fused"), default="default")
     add("--seed", type=int, default=0)
     add("--steps", type=int, default=6)
     add("--rounds", type=int, default=1, help="times the rows run, taking turns")
@@ -279,7 +280,10 @@ class Trainer:
         kind = row_kind(name)
 
         def adamw():
-            return torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+            fused = True if a.adamw == "fused" else None
+            return torch.optim.AdamW(
+                model.parameters(), lr=a.lr, weight_decay=a.weight_decay, fused=fused
+            )
 
         if kind == "none":
             self.optimizer = adamw()

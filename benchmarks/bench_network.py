@@ -189,6 +189,15 @@ def make_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, default=4, help="windows per rank per step")
     add("--text-bytes", type=int, default=1_000_000)
     add("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
+    add(
+        "--adamw",
+        choices=("default", "fused"),
+        default="default",
+        help="every row's AdamW: torch's default implementation (on a CPU a loop over the "
+        "tensors) or fused=True (one fused kernel; on a CPU its time does not depend on the "
+        "data, where the default's sqrt of zero second moments, which sparse averaged "
+        "gradients leave, is several times slower than of positive ones)",
+    )
     add("--lr-warmup", type=int, default=20, help="linear warm-up steps of the learning rate")
     add("--seed", type=int, default=0)
     add("--steps", type=int, default=6, help="timed steps per row and round")
@@ -339,6 +348,7 @@ def worker_flags(args: argparse.Namespace, label: str, rate: float, json_path: P
         "batch_size",
         "text_bytes",
         "lr",
+        "adamw",
         "lr_warmup",
         "seed",
         "steps",
@@ -568,7 +578,8 @@ def format_report(results: dict) -> str:
         f"- Model: examples/train_charlm.py's CharTransformer, width {cfg['width']}, "
         f"{cfg['layers']} layers, {cfg['heads']} heads, context {cfg['context']}: "
         f"{first['params'] / 1e6:.2f}M parameters ({4 * first['params'] / 1e6:.1f} MB fp32); "
-        f"AdamW lr {cfg['lr']:g}; {cfg['batch_size']} windows per rank per step of the "
+        f"AdamW{'(fused=True)' if cfg.get('adamw') == 'fused' else ''} lr {cfg['lr']:g}; "
+        f"{cfg['batch_size']} windows per rank per step of the "
         "standard-library text; every row from the same initialization on the same data.",
         f"- Per row and rate: {cfg['warmup']} untimed steps, then {cfg['steps']} timed; a step "
         "is forward + backward + optimizer step, its time the slowest rank's. sparsecomm rows: "
