@@ -255,9 +255,10 @@ def profile_steps(opt, steps: int, device, n: int) -> None:
             torch.cuda.synchronize(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(f"# profile of {steps} step() calls at n={fmt_n(n)}, by host time")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    table = prof.key_averages().table
+    print(table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     print(f"# the same, by {sort}")
-    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    print(table(sort_by=sort, row_limit=15, max_name_column_width=60))
 
 
 def main() -> None:

@@ -643,11 +643,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _flags_template(self, device: torch.device, num_params: int) -> torch.Tensor:
         """The agreement's flags before this rank's peak goes in, when every parameter had
         a gradient here: zeros, then ones (kept, so that a step copies it in one launch)."""
-        template = self._template
-        if template is None or template.device != device or template.numel() != (
-            1 + self.world_size + num_params
-        ):
-            template = torch.zeros(1 + self.world_size + num_params, device=device)
+        template, size = self._template, 1 + self.world_size + num_params
+        if template is None or template.device != device or template.numel() != size:
+            template = torch.zeros(size, device=device)
             template[1 + self.world_size :] = 1.0
             self._template = template
         return template
