@@ -5,6 +5,7 @@ exactly what their references return), and ranks sharing the GPU over gloo must 
 bitwise-identical parameters.
 """
 
+import _overlap_workers
 import _workers
 import pytest
 import torch
@@ -349,3 +350,41 @@ def test_cuda_graphed_buckets_release_their_gradient_buffers_between_steps(compr
             assert opt._engine.graphs.replays >= len(held) * 4 and not opt._engine.graphs.failed
         ends.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
     assert torch.equal(ends[0].view(torch.int32), ends[1].view(torch.int32))
+
+
+def _train_with_a_failed_backward_cuda(compressor, fail_at: int | None, cuda_graphs: bool):
+    """Eight AdamW steps on CUDA; at step ``fail_at`` a first backward raises after the
+    first layer (some buckets sent, some not reached), zero_grad() drops it, and the
+    same batch runs again. Returns the parameters, the residuals and how many buckets the
+    failed backward had launched."""
+    model = _overlap_workers.make_model().cuda()
+    opt = _overlap_workers.wrap(model, compressor, cuda_graphs=cuda_graphs)
+    launched = None
+    for step in range(8):
+        x, y = (t.cuda() for t in _overlap_workers.batch(0, step))
+        if step == fail_at:
+            _overlap_workers._Boom.armed = True
+            try:
+                _overlap_workers._loss(model, x, y, boom_at=0).backward()
+            except MemoryError:
+                pass
+            finally:
+                _overlap_workers._Boom.armed = False
+            launched = opt._engine.next_launch
+            opt.zero_grad()
+        _overlap_workers._loss(model, x, y, boom_at=None).backward()
+        opt.step()
+        opt.zero_grad()
+    residuals = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
+    return _overlap_workers.flat(model).cpu(), residuals.cpu(), launched
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("compressor", GRAPHED, ids=repr)
+def test_cuda_zero_grad_after_a_failed_backward_keeps_the_bits(compressor, cuda_graphs):
+    clean = _train_with_a_failed_backward_cuda(compressor, None, cuda_graphs)
+    failed = _train_with_a_failed_backward_cuda(compressor, 5, cuda_graphs)
+    buckets = len(_overlap_workers.wrap(_overlap_workers.make_model(), compressor)._engine.buckets)
+    assert 0 < failed[2] < buckets, (failed[2], buckets)  # sent some buckets, not all
+    assert torch.equal(clean[0].view(torch.int32), failed[0].view(torch.int32))
+    assert torch.equal(clean[1].view(torch.int32), failed[1].view(torch.int32))
