@@ -9,7 +9,7 @@ live in ``sparsecomm.triton_kernels`` (Triton for CUDA tensors, torch references
 from ._stats import StepStats
 from .compressors import Cast, Compressor, Dense, Threshold, TopK
 from .ddp import DDPCommHookState, ddp_comm_hook
-from .optimizer import CompressedOptimizer, NonFiniteGradientError
+from .optimizer import CompressedOptimizer, NonFiniteGradientError, StepDroppedError
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "TopK",
     "StepStats",
     "NonFiniteGradientError",
+    "StepDroppedError",
     "ddp_comm_hook",
     "DDPCommHookState",
 ]

@@ -728,21 +728,13 @@ class BucketEngine:
         """Whether this step's exchange has begun: a bucket filled in part or launched."""
         return self.next_launch > 0 or any(b.pending != len(b.params) for b in self.buckets)
 
-    def discard(self) -> None:
-        """Drop a step whose backward stopped part-way (it raised): launch the buckets it
-        did not reach, sending zeros for the gradients it never produced, wait for every
-        bucket, and drop the step as :meth:`abandon` does. Every bucket's collective is
-        issued once on each rank whatever point its backward reached, so ranks whose
-        backwards failed at different layers stay in step with each other."""
-        while self.next_launch < len(self.buckets):
-            bucket = self.buckets[self.next_launch]
+    def clear_unfilled(self) -> None:
+        """Drop the ``.grad`` of every member not filled this step (a backward that raised
+        did not reach it), so that :meth:`launch_all` sends zeros for it."""
+        for bucket in self.buckets[self.next_launch :]:
             for member, filled in enumerate(bucket.filled):
                 if not filled:
                     bucket.params[member].grad = None
-                    self.fill(bucket, member)
-            self._launch(bucket)
-        self.join()
-        self.abandon()
 
     def abandon(self) -> None:
         """Wait for every bucket and drop the step: residuals stay as they were, and the

@@ -73,6 +73,25 @@ class NonFiniteGradientError(RuntimeError):
         )
 
 
+class StepDroppedError(RuntimeError):
+    """Some rank dropped this step with :meth:`CompressedOptimizer.drop_step` (its backward
+    raised, say out of memory). Raised by ``step()`` on every rank that did not drop it;
+    nothing (parameters, residuals, optimizer state) was changed on any rank.
+
+    Attributes:
+        ranks: the ranks (in the process group) that dropped the step.
+    """
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+        super().__init__(
+            f"rank(s) {ranks} dropped this step (CompressedOptimizer.drop_step(), after their "
+            "backward raised): the step was not taken on any rank, and parameters, residuals "
+            "and optimizer state are unchanged. Catch this error, call zero_grad() and go on "
+            "with the next batch (or the same one again, as the ranks that dropped it may)"
+        )
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
     """Wrap a ``torch.optim`` optimizer so that each step uses the gradients averaged, in
     compressed form, over the ranks of a process group.
@@ -213,7 +232,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
         self._template: torch.Tensor | None = None  # for _flags_template
         #: The step's refusal, agreed by every rank (None: the step is good).
-        self._refusal: NonFiniteGradientError | None = None
+        self._refusal: RuntimeError | None = None  # this step's, once agreed
+        self._drop_pending = False  # drop_step() inside no_sync(): told at the exchange
+        self._dropped_here = False  # drop_step() sent this rank's part: until step()/zero_grad()
         self._step_stats = StepStats()
         self._hooks: list = []
         self._register_hooks(self._params)
@@ -277,6 +298,59 @@ class CompressedOptimizer(torch.optim.Optimizer):
         finally:
             self._sync_enabled = previous
 
+    def drop_step(self) -> None:
+        """Drop this step on a rank whose backward raised (an out-of-memory error caught by
+        the training loop, say), so that training can go on. Call it on every rank that
+        caught such an error, before its next backward; ranks whose backward finished call
+        nothing. Then ``step()`` raises :class:`StepDroppedError` on every rank, this one
+        too (under ``torch.amp.GradScaler`` every rank skips the step instead, its scaler
+        lowering the scale), or ``zero_grad()`` skips the step; no rank changes its
+        parameters, residuals or optimizer state.
+
+        The other ranks wait in the step's collectives for this rank's part: this sends it,
+        the buckets backward did not reach as zeros, and the step's agreement marked as
+        dropped, then discards what came back; further backward passes of the step (the
+        rest of an accumulation) count for nothing on this rank. Called inside
+        ``no_sync()``, it sends nothing yet: the step is marked, and the exchange at the end
+        of the accumulation refuses it on every rank.
+
+        Example:
+            >>> try:
+            ...     loss.backward()
+            ... except torch.cuda.OutOfMemoryError:
+            ...     opt.drop_step()  # this rank's part of the exchange, as zeros
+            >>> try:
+            ...     opt.step()
+            ... except sparsecomm.StepDroppedError:
+            ...     pass  # some rank dropped it; nothing changed anywhere
+            >>> opt.zero_grad()
+
+        Raises:
+            RuntimeError: this rank's backward finished and its gradients were exchanged
+                (call ``step()``, or ``zero_grad()`` on every rank to skip the step).
+        """
+        if self._synchronized:
+            raise RuntimeError(
+                "drop_step() after a backward that finished: this step's gradients were "
+                "already exchanged with every rank. Call step(), or zero_grad() on every rank "
+                "to skip the step; drop_step() is for a rank whose backward raised"
+            )
+        self._callback_queued = False  # a backward that raised never ran its callback
+        if not self._sync_enabled:
+            self._drop_pending = True
+            return
+        if self.exchange == "updates":  # everything happens in step(): its first collective
+            self._refusal = self._agree_gradients_finite(dropped=True)
+            self._step_stats = StepStats(steps=1)
+            self._synchronized = self._dropped_here = True
+            return
+        with torch.no_grad():
+            self._engine.clear_unfilled()  # what backward did not reach goes as zeros
+            self._synchronize(grad_scaler=None, dropped=True)
+        self._dropped_here = True
+        # Refused on every rank now: step() raises StepDroppedError here too, zero_grad()
+        # counts the step as skipped.
+
     @torch.no_grad()
     def synchronize(self) -> None:
         """Finish this step's exchange now: afterwards ``p.grad`` holds the average, and
@@ -309,15 +383,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         another way (``model.zero_grad()``) keeps the buffers: correct, but the memory
         stays.
 
-        Called between a backward and ``step()``, it drops that step, so that training can
-        go on, e.g. after catching an out-of-memory error that backward raised: a backward
-        that raised part-way leaves every residual as it was before it (the buckets it did
-        not reach are sent as zeros, so that ranks whose backwards stopped at different
-        layers stay in step, and the results are discarded); a backward that finished, its
-        gradients already exchanged, counts as a skipped step (``StepStats.skipped_steps``)
-        and keeps the residuals that exchange left. Collective in both cases: every rank
-        must drop the step."""
-        self._drop_step()
+        Called after a backward that finished and before ``step()`` (on every rank), it
+        skips that step (``StepStats.skipped_steps``), keeping the residuals the exchange
+        left. After a backward that raised, call :meth:`drop_step` first.
+
+        Raises:
+            RuntimeError: this rank's backward raised part-way and its step was not
+                dropped: the other ranks wait for this rank's part of the exchange, which
+                :meth:`drop_step` sends."""
+        if self._synchronized:
+            self._finish_step(skipped=True)
+        elif self._engine.in_progress():
+            raise RuntimeError(
+                "zero_grad() after a backward that raised part-way: some of this step's "
+                "buckets were sent and the other ranks wait for the rest. Call "
+                "opt.drop_step() on every rank whose backward raised, before zero_grad()"
+            )
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
             self._engine.release_gradients()
@@ -340,6 +421,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._synchronized and self._refusal is not None:
+            # Refused before step(): at the end of backward, or by drop_step() here.
+            refusal = self._refusal
+            self._finish_step(skipped=True)
+            if grad_scaler is None:
+                raise refusal
+            self._scaler_seen, self._overlapping = True, False
+            self._scaler_skips(grad_scaler)
+            return loss
         if self.exchange == "updates":
             self._step_updates(grad_scaler)
             return loss
@@ -379,18 +469,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "exchange='gradients'"
             )
         params = [p for p in self._params if p.grad is not None]
-        device = self._engine.buckets[0].device if self._engine.buckets else torch.device("cpu")
-        flags = torch.zeros(self.world_size, device=device)
-        if params:  # one flag on the device, then the step's one extra host sync
-            finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
-            flags[self.rank] = (~finite.all()).float()
-        if self._comm.distributed:
-            flags = self._comm.all_reduce_(flags, op="max")
-        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
-        if bad_ranks:
+        refusal = self._agree_gradients_finite(dropped=self._drop_pending)
+        self._drop_pending = False
+        if refusal is not None:
             self._step_stats = StepStats(steps=1)
             self._finish_step(skipped=True)
-            raise NonFiniteGradientError(bad_ranks)
+            raise refusal
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
         for param, old in zip(params, before):
@@ -405,6 +489,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for param in self._params:
             if param.grad is not None:
                 param.sub_(param.grad)
+
+    def _agree_gradients_finite(self, dropped: bool) -> RuntimeError | None:
+        """``exchange="updates"``: one all-reduce of a flag per rank (2: it dropped the
+        step, 1: a gradient holds NaN or Inf, 0: neither), before the wrapped optimizer
+        steps. Returns the step's refusal or None."""
+        device = self._engine.buckets[0].device if self._engine.buckets else torch.device("cpu")
+        flags = torch.zeros(self.world_size, device=device)
+        params = [p for p in self._params if p.grad is not None]
+        if dropped:
+            flags[self.rank] = 2.0
+        elif params:  # one flag on the device, then the step's one extra host sync
+            finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
+            flags[self.rank] = (~finite.all()).float()
+        if self._comm.distributed:
+            flags = self._comm.all_reduce_(flags, op="max")
+        values = flags.tolist()
+        if not any(values):
+            return None
+        dropped_ranks = [r for r, flag in enumerate(values) if flag == 2]
+        if dropped_ranks:
+            return StepDroppedError(dropped_ranks)
+        return NonFiniteGradientError([r for r, flag in enumerate(values) if flag > 0])
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must call
@@ -488,8 +594,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """Backward hook: ``param.grad`` is complete for this backward pass."""
-        if not (self._overlapping and self._sync_enabled):
-            return
+        if not (self._overlapping and self._sync_enabled) or self._dropped_here:
+            return  # (after drop_step(): the rest of the step's micro-batches count for nothing)
         owner = getattr(param, "_sparsecomm_owner", None)
         if owner is None or owner() is not self:
             return  # a newer CompressedOptimizer wraps this parameter now
@@ -508,32 +614,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         else:  # (entering no_grad costs more than the rest of a hook)
             self._engine.fill_from_hook(param)
 
-    def _drop_step(self) -> None:
-        """``zero_grad()`` between a backward and ``step()`` drops that step, so that the
-        next backward starts a new one: a step already exchanged (backward finished) counts
-        as skipped, its residuals as the exchange left them; a backward that raised
-        part-way is discarded (:meth:`BucketEngine.discard`), its residuals as they were
-        before it."""
-        if self._synchronized:
-            self._finish_step(skipped=True)
-        elif self._engine.in_progress():
-            with torch.no_grad():
-                self._engine.discard()
-            self._step_stats = StepStats()
-            self._engine.compress_seconds = 0.0
-            self._comm.seconds = 0.0
-        # A backward that raised never ran its end-of-backward callback.
-        self._callback_queued = False
-
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         with torch.no_grad():
             self._synchronize(grad_scaler=None)
 
-    def _synchronize(self, grad_scaler) -> None:
-        """Launch what has not been launched, agree across ranks on non-finite values and
-        on which parameters had gradients (one small all-reduce, one host sync), then
-        finish (or drop) the exchange."""
+    def _synchronize(self, grad_scaler, dropped: bool = False) -> None:
+        """Launch what has not been launched, agree across ranks on non-finite values, on
+        dropped steps and on which parameters had gradients (one small all-reduce, one host
+        sync), then finish (or drop) the exchange. ``dropped``: this rank drops the step
+        (:meth:`drop_step`)."""
         if self._synchronized:
             return
         found_inf = self._unscale(grad_scaler) if grad_scaler is not None else []
@@ -541,15 +631,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         engine.launch_all()
         stats = self._sent_stats()
         used_here = engine.local_used(len(self._params))
-        agreement = self._start_agreement(engine.peak(), used_here)
+        dropped, self._drop_pending = dropped or self._drop_pending, False
+        agreement = self._start_agreement(engine.peak(), used_here, dropped)
         # Used here means used by some rank: the averages need nothing from the host but the
         # refusal, which the device has already. Queue them now, so that the device has work
         # while the host waits for the verdict and launches the optimizer after it.
         early = all(used_here)
         if early:
             stats.aggregate_seconds = self._finish(used_here, agreement.refused)
-        bad_ranks, too_large, used = self._agree_on_step(agreement)
-        refused = bool(bad_ranks)
+        refusal, used = self._agree_on_step(agreement)
+        refused = refusal is not None
         for flag in found_inf:
             flag.fill_(1.0 if refused else 0.0)
         if refused:
@@ -558,7 +649,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             stats.aggregate_seconds = self._finish(used, None)
         stats.compress_seconds = engine.compress_seconds
         stats.communicate_seconds = self._comm.seconds
-        self._refusal = NonFiniteGradientError(bad_ranks, too_large) if refused else None
+        self._refusal = refusal
         self._step_stats = stats
         self._synchronized = True
 
@@ -571,7 +662,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not skipped:
             self._steps_taken += 1
             self._engine.step = self._steps_taken
-        self._synchronized = False
+        self._synchronized = self._dropped_here = False
         self._refusal = None
         self._step_stats = StepStats()
         self._engine.compress_seconds = 0.0
@@ -600,27 +691,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
         finished = self._comm.clock(device)
         return finished - started - (self._comm.seconds - comm_before)
 
-    def _start_agreement(self, peak: torch.Tensor | None, used_here: list[bool]) -> _Agreement:
+    def _start_agreement(
+        self, peak: torch.Tensor | None, used_here: list[bool], dropped: bool = False
+    ) -> _Agreement:
         """One small all-reduce: each rank's peak (the largest magnitude it sent, as a
         fraction of what W ranks may each send for their sum to stay finite; NaN or Inf
-        when it sent one), and which parameters had a gradient on some rank. The step's
-        refusal is decided from it on the device, and the verdict starts on its way to
-        the host (:meth:`_agree_on_step` waits for it)."""
+        when it sent one), which ranks dropped the step, and which parameters had a
+        gradient on some rank. The step's refusal is decided from it on the device, and the
+        verdict starts on its way to the host (:meth:`_agree_on_step` waits for it)."""
         world_size = self.world_size
         device = peak.device if peak is not None else torch.device("cpu")
         # flags: [sum of the peaks (slot 0, set after the all-reduce), each rank's peak,
-        # each parameter's used flag]. Each rank's peak has a slot of its own (the others
-        # add 0 there, and NaN stays NaN), and a used flag is above 0 if any rank used the
-        # parameter.
+        # each rank's dropped flag, each parameter's used flag]. Each rank has slots of its
+        # own (the others add 0 there, and NaN stays NaN), and a used flag is above 0 if
+        # any rank used the parameter.
         if all(used_here):
             flags = self._flags_template(device, len(used_here)).clone()  # (no host copy)
         else:
-            flags = torch.zeros(1 + world_size + len(used_here), device=device)
+            flags = torch.zeros(1 + 2 * world_size + len(used_here), device=device)
             used = torch.tensor(used_here, dtype=torch.float32)
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
-            flags[1 + world_size :] = used.to(device, non_blocking=True)
-        if peak is not None:
+            flags[1 + 2 * world_size :] = used.to(device, non_blocking=True)
+        if dropped:  # an infinite peak: refused on the device as a non-finite one would be
+            flags[1 + self.rank] = math.inf
+            flags[1 + world_size + self.rank] = 1.0
+        elif peak is not None:
             flags[1 + self.rank] = peak
         self._comm.all_reduce_(flags)
         # The step is refused unless the peaks add up to at most the bound: a NaN or an Inf
@@ -643,30 +739,45 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _flags_template(self, device: torch.device, num_params: int) -> torch.Tensor:
         """The agreement's flags before this rank's peak goes in, when every parameter had
         a gradient here: zeros, then ones (kept, so that a step copies it in one launch)."""
-        template, size = self._template, 1 + self.world_size + num_params
+        template, size = self._template, 1 + 2 * self.world_size + num_params
         if template is None or template.device != device or template.numel() != size:
             template = torch.zeros(size, device=device)
-            template[1 + self.world_size :] = 1.0
+            template[1 + 2 * self.world_size :] = 1.0
             self._template = template
         return template
 
-    def _agree_on_step(self, agreement: _Agreement) -> tuple[list[int], bool, list[bool]]:
+    def _agree_on_step(self, agreement: _Agreement) -> tuple[RuntimeError | None, list[bool]]:
         """Wait for the verdict of :meth:`_start_agreement` (the step's one host sync).
-        Returns the ranks to blame, whether their values were finite (but too large to add
-        up), and the used flags. Every rank gets the same answer."""
+        Returns the step's refusal (None: accepted) and the used flags. Every rank gets the
+        same answer."""
         if agreement.event is not None:
             agreement.event.synchronize()
         world_size = self.world_size
         values = agreement.host.tolist()
         peaks = values[1 : 1 + world_size]
-        used = [f > 0 for f in values[1 + world_size :]]
+        used = [f > 0 for f in values[1 + 2 * world_size :]]
         if values[0] <= _peak_bound(world_size):
-            return [], False, used
+            return None, used
+        dropped = [r for r in range(world_size) if values[1 + world_size + r] > 0]
+        if dropped:
+            return StepDroppedError(dropped), used
         nonfinite = [r for r in range(world_size) if not math.isfinite(peaks[r])]
         if nonfinite:
-            return nonfinite, False, used
+            return NonFiniteGradientError(nonfinite), used
         too_large = [r for r in range(world_size) if peaks[r] > 1 / world_size]
-        return too_large or [max(range(world_size), key=peaks.__getitem__)], True, used
+        ranks = too_large or [max(range(world_size), key=peaks.__getitem__)]
+        return NonFiniteGradientError(ranks, too_large=True), used
+
+    def _scaler_skips(self, grad_scaler) -> None:
+        """Tell ``grad_scaler`` that this step was refused, as the other ranks' scalers
+        are told (their found-inf flags set): it skips and lowers its scale with them."""
+        state = grad_scaler._per_optimizer_states[id(self)]
+        found_inf = state["found_inf_per_device"]
+        if not found_inf:  # no gradient left to unscale (drop_step() cleared them)
+            device = self._engine.buckets[0].device if self._engine.buckets else "cpu"
+            found_inf[torch.device(device)] = torch.ones((), device=device)
+        for flag in found_inf.values():
+            flag.fill_(1.0)
 
     def _unscale(self, grad_scaler) -> list[torch.Tensor]:
         """Unscale the gradients with ``grad_scaler`` (unless the user already did) and return

@@ -144,34 +144,74 @@ def _loss(model, x, y, boom_at):
     return torch.nn.functional.mse_loss(x, y)
 
 
-def backward_fails_then_retries(rank, world_size, compressor, after_backward):
-    """Step 2's first backward raises (at a different layer on each rank, so the ranks have
-    sent different buckets), then zero_grad() and the same batch again; without failing,
-    the same training. ``after_backward``: the backward finishes instead (its gradients
-    exchanged) and zero_grad() drops that step before the retry."""
+def drop_and_retry(
+    rank, world_size, compressor, boom_at_by_rank, wrap_kwargs=None, accumulate=False
+):
+    """Step 2's first backward raises on some ranks (after layer ``boom_at_by_rank[rank]``;
+    None: it finishes; 4: before any parameter's gradient), each rank that caught the error
+    calls drop_step(), every rank's step() raises StepDroppedError, and every rank runs the
+    same batch again. With ``accumulate`` the failing backward is the first of two
+    micro-batches, inside no_sync(). Returns, for the failing run and a clean one: the
+    parameters, the residuals, the ranks the error named, and the skipped steps."""
     out = []
     for fail in (True, False):
         model = make_model()
-        opt = wrap(model, compressor)
-        launched = None
+        opt = wrap(model, compressor, **(wrap_kwargs or {}))
+        named = None
         for step in range(4):
             x, y = batch(rank, step)
             if fail and step == 2:
-                _Boom.armed = not after_backward
+                boom = boom_at_by_rank[rank]
+                _Boom.armed = boom is not None
+                context = opt.no_sync() if accumulate else contextlib.nullcontext()
                 try:
-                    _loss(model, x, y, boom_at=2 * rank).backward()
+                    with context:
+                        _loss(model, x, y, boom_at=boom).backward()
                 except MemoryError:
-                    pass
+                    opt.drop_step()
                 finally:
                     _Boom.armed = False
-                launched = opt._engine.next_launch
+                if accumulate:
+                    _loss(model, x, y, boom_at=None).backward()
+                try:
+                    opt.step()
+                except sparsecomm.StepDroppedError as error:
+                    named = error.ranks
                 opt.zero_grad()
+            if accumulate:
+                with opt.no_sync():
+                    _loss(model, x, y, boom_at=None).backward()
             _loss(model, x, y, boom_at=None).backward()
             opt.step()
             opt.zero_grad()
         residuals = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
-        out.append((flat(model), residuals, launched, opt.total_stats.skipped_steps))
+        out.append((flat(model), residuals, named, opt.total_stats.skipped_steps))
     return out
+
+
+def drop_under_grad_scaler(rank, world_size, boom_at_by_rank):
+    """Step 2's first backward raises on the ranks ``boom_at_by_rank`` names, which call
+    drop_step(); every rank then steps through its GradScaler. Returns each step's scale
+    after update() and the parameters."""
+    model = make_model()
+    opt = wrap(model, sparsecomm.TopK(0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    scales = []
+    for step in range(4):
+        x, y = batch(rank, step)
+        boom = boom_at_by_rank[rank] if step == 2 else None
+        _Boom.armed = boom is not None
+        try:
+            scaler.scale(_loss(model, x, y, boom_at=boom)).backward()
+        except MemoryError:
+            opt.drop_step()
+        finally:
+            _Boom.armed = False
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, flat(model), opt.total_stats.skipped_steps
 
 
 # ------------------------------------------------------------------ the DDP front door

@@ -354,9 +354,9 @@ def test_cuda_graphed_buckets_release_their_gradient_buffers_between_steps(compr
 
 def _train_with_a_failed_backward_cuda(compressor, fail_at: int | None, cuda_graphs: bool):
     """Eight AdamW steps on CUDA; at step ``fail_at`` a first backward raises after the
-    first layer (some buckets sent, some not reached), zero_grad() drops it, and the
-    same batch runs again. Returns the parameters, the residuals and how many buckets the
-    failed backward had launched."""
+    first layer (some buckets sent, some not reached), drop_step() drops it (step() then
+    raises StepDroppedError), and the same batch runs again. Returns the parameters, the
+    residuals and how many buckets the failed backward had launched."""
     model = _overlap_workers.make_model().cuda()
     opt = _overlap_workers.wrap(model, compressor, cuda_graphs=cuda_graphs)
     launched = None
@@ -371,6 +371,9 @@ def _train_with_a_failed_backward_cuda(compressor, fail_at: int | None, cuda_gra
             finally:
                 _overlap_workers._Boom.armed = False
             launched = opt._engine.next_launch
+            opt.drop_step()
+            with pytest.raises(sparsecomm.StepDroppedError):
+                opt.step()
             opt.zero_grad()
         _overlap_workers._loss(model, x, y, boom_at=None).backward()
         opt.step()
@@ -381,7 +384,7 @@ def _train_with_a_failed_backward_cuda(compressor, fail_at: int | None, cuda_gra
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("compressor", GRAPHED, ids=repr)
-def test_cuda_zero_grad_after_a_failed_backward_keeps_the_bits(compressor, cuda_graphs):
+def test_cuda_drop_step_after_a_failed_backward_keeps_the_bits(compressor, cuda_graphs):
     clean = _train_with_a_failed_backward_cuda(compressor, None, cuda_graphs)
     failed = _train_with_a_failed_backward_cuda(compressor, 5, cuda_graphs)
     buckets = len(_overlap_workers.wrap(_overlap_workers.make_model(), compressor)._engine.buckets)

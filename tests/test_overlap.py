@@ -55,25 +55,81 @@ def test_backward_twice_before_step_names_no_sync():
     assert all(e is not None and "no_sync" in e for e in errors), errors
 
 
+# Where each rank's first backward of step 2 stops: after a layer (some buckets sent, some
+# not), before any parameter's gradient (4: the loss's own backward raised), or nowhere.
+DROP_CASES = {
+    "both-failed-at-different-layers": [0, 2],
+    "one-failed-one-finished": [2, None],
+    "one-failed-before-any-gradient-one-finished": [4, None],
+    "one-failed-before-any-gradient-one-part-way": [4, 0],
+}
+
+
+@pytest.mark.parametrize("case", DROP_CASES)
 @pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Dense()], ids=repr)
-def test_zero_grad_after_a_failed_backward_drops_it_and_the_retry_keeps_the_bits(compressor):
-    results = run_ranks(w.backward_fails_then_retries, 2, compressor, False)
-    launched = [failed[2] for failed, _ in results]
-    assert launched[0] != launched[1], launched  # the ranks stopped at different buckets
+def test_drop_step_after_a_failed_backward_keeps_every_rank_in_step(compressor, case):
+    boom_at = DROP_CASES[case]
+    results = run_ranks(w.drop_and_retry, 2, compressor, boom_at)
+    dropped = [rank for rank, boom in enumerate(boom_at) if boom is not None]
     for rank, (failed, clean) in enumerate(results):
+        assert failed[2] == dropped, f"rank {rank}: StepDroppedError named {failed[2]}"
+        # The dropped step changed nothing: the retry gives a clean run's bits.
         assert torch.equal(failed[0], clean[0]), f"rank {rank}: {_diff(failed[0], clean[0])}"
         assert torch.equal(failed[1], clean[1]), f"rank {rank}: {_diff(failed[1], clean[1])}"
-        assert failed[3] == clean[3] == 0
+        assert (failed[3], clean[3]) == (1, 0)
     assert torch.equal(results[0][0][0], results[1][0][0])
 
 
-def test_zero_grad_after_a_finished_backward_skips_the_step():
-    results = run_ranks(w.backward_fails_then_retries, 2, sparsecomm.TopK(0.1), True)
-    for failed, clean in results:
-        assert failed[3] == 1 and clean[3] == 0  # dropped, counted as skipped
-        assert not torch.equal(failed[1], clean[1])  # the dropped exchange moved the residual
+@pytest.mark.parametrize(
+    "wrap_kwargs, accumulate",
+    [({"overlap": False}, False), ({"exchange": "updates"}, False), ({}, True)],
+    ids=["no-overlap", "updates", "inside-no_sync"],
+)
+def test_drop_step_in_the_other_exchange_modes_keeps_every_rank_in_step(wrap_kwargs, accumulate):
+    results = run_ranks(
+        w.drop_and_retry, 2, sparsecomm.TopK(0.1), [2, None], wrap_kwargs, accumulate
+    )
+    for rank, (failed, clean) in enumerate(results):
+        assert failed[2] == [0], f"rank {rank}: StepDroppedError named {failed[2]}"
+        assert torch.equal(failed[0], clean[0]), f"rank {rank}: {_diff(failed[0], clean[0])}"
+        assert torch.equal(failed[1], clean[1]), f"rank {rank}: {_diff(failed[1], clean[1])}"
     assert torch.equal(results[0][0][0], results[1][0][0])
-    assert torch.equal(results[0][0][1], results[0][0][1])
+
+
+def test_drop_step_under_grad_scaler_skips_on_every_rank_and_lowers_every_scale():
+    results = run_ranks(w.drop_under_grad_scaler, 2, [2, None])
+    for rank, (scales, _, skipped) in enumerate(results):
+        assert scales[1] == scales[0] == 2.0**10, f"rank {rank}: {scales}"
+        assert scales[2] == 2.0**9, f"rank {rank}: the dropped step did not lower {scales}"
+        assert skipped == 1
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_zero_grad_after_a_failed_backward_names_drop_step():
+    model = w.make_model()
+    opt = w.wrap(model, sparsecomm.TopK(0.1))
+    for step in range(2):  # from the second step on, buckets go during backward
+        x, y = w.batch(0, step)
+        w._loss(model, x, y, boom_at=None).backward()
+        opt.step()
+        opt.zero_grad()
+    w._Boom.armed = True
+    try:
+        with pytest.raises(MemoryError):
+            w._loss(model, x, y, boom_at=0).backward()
+    finally:
+        w._Boom.armed = False
+    with pytest.raises(RuntimeError, match="drop_step"):
+        opt.zero_grad()
+    opt.drop_step()
+    with pytest.raises(sparsecomm.StepDroppedError):
+        opt.step()
+    opt.zero_grad()
+    w._loss(model, x, y, boom_at=None).backward()
+    with pytest.raises(RuntimeError, match="finished"):
+        opt.drop_step()
+    opt.step()
+    assert opt.total_stats.skipped_steps == 1
 
 
 # ------------------------------------------------------------------ the DDP front door
