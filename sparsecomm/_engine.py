@@ -558,7 +558,8 @@ class BucketEngine:
             raise RuntimeError(
                 "a gradient arrived for a parameter whose bucket was already sent this step: "
                 "backward ran again before step(). To accumulate gradients over several "
-                "backward passes, run all but the last inside `with opt.no_sync():`"
+                "backward passes, run all but the last inside `with opt.no_sync():`; after a "
+                "backward that raised, call opt.drop_step() before the next one"
             )
         self.fill(bucket, member, adopt=True)
         self.launch_ready()

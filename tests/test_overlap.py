@@ -105,6 +105,23 @@ def test_drop_step_under_grad_scaler_skips_on_every_rank_and_lowers_every_scale(
     assert torch.equal(results[0][1], results[1][1])
 
 
+def test_zero_grad_after_a_finished_backward_skips_the_step():
+    model = w.make_model()
+    opt = w.wrap(model, sparsecomm.TopK(0.1))
+    for step in range(4):
+        x, y = w.batch(0, step)
+        w._loss(model, x, y, boom_at=None).backward()  # exchanged during backward
+        if step == 2:
+            assert opt._synchronized
+            before = w.flat(model)
+            opt.zero_grad()  # no step(): skipped
+            assert torch.equal(before, w.flat(model))
+            continue
+        opt.step()
+        opt.zero_grad()
+    assert opt.total_stats.skipped_steps == 1 and opt.steps_taken == 3
+
+
 def test_zero_grad_after_a_failed_backward_names_drop_step():
     model = w.make_model()
     opt = w.wrap(model, sparsecomm.TopK(0.1))
