@@ -329,6 +329,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             RuntimeError: this rank's backward finished and its gradients were exchanged
                 (call ``step()``, or ``zero_grad()`` on every rank to skip the step).
         """
+        if self._dropped_here or self._drop_pending:
+            return  # dropped already: its part is sent (or will be)
         if self._synchronized:
             raise RuntimeError(
                 "drop_step() after a backward that finished: this step's gradients were "

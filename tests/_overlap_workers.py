@@ -169,6 +169,7 @@ def drop_and_retry(
                         _loss(model, x, y, boom_at=boom).backward()
                 except MemoryError:
                     opt.drop_step()
+                    opt.drop_step()  # twice: the second sends nothing (or the ranks hang)
                 finally:
                     _Boom.armed = False
                 if accumulate:

@@ -139,6 +139,7 @@ def test_zero_grad_after_a_failed_backward_names_drop_step():
     with pytest.raises(RuntimeError, match="drop_step"):
         opt.zero_grad()
     opt.drop_step()
+    opt.drop_step()  # a second call sends nothing more
     with pytest.raises(sparsecomm.StepDroppedError):
         opt.step()
     opt.zero_grad()
