@@ -232,7 +232,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
         self._template: torch.Tensor | None = None  # for _flags_template
         #: The step's refusal, agreed by every rank (None: the step is good).
-        self._refusal: RuntimeError | None = None  # this step's, once agreed
+        self._refusal: RuntimeError | None = None
         self._drop_pending = False  # drop_step() inside no_sync(): told at the exchange
         self._dropped_here = False  # drop_step() sent this rank's part: until step()/zero_grad()
         self._step_stats = StepStats()
