@@ -329,8 +329,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             RuntimeError: this rank's backward finished and its gradients were exchanged
                 (call ``step()``, or ``zero_grad()`` on every rank to skip the step).
         """
-        if self._dropped_here or self._drop_pending:
-            return  # dropped already: its part is sent (or will be)
+        if self._dropped_here or (self._drop_pending and not self._sync_enabled):
+            return  # dropped already: its part is sent (or will be, at the exchange)
         if self._synchronized:
             raise RuntimeError(
                 "drop_step() after a backward that finished: this step's gradients were "
@@ -341,6 +341,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._sync_enabled:
             self._drop_pending = True
             return
+        self._send_drop()
+
+    def _send_drop(self) -> None:
+        """This rank's part of a dropped step: what the other ranks' exchange waits for."""
+        self._drop_pending = False
         if self.exchange == "updates":  # everything happens in step(): its first collective
             self._refusal = self._agree_gradients_finite(dropped=True)
             self._step_stats = StepStats(steps=1)
@@ -393,6 +398,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             RuntimeError: this rank's backward raised part-way and its step was not
                 dropped: the other ranks wait for this rank's part of the exchange, which
                 :meth:`drop_step` sends."""
+        if self._drop_pending and self._sync_enabled:
+            # drop_step() inside no_sync(), and no exchange since: the other ranks' exchange
+            # at the end of their accumulation still waits for this rank's part.
+            self._send_drop()
         if self._synchronized:
             self._finish_step(skipped=True)
         elif self._engine.in_progress():

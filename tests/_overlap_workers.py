@@ -145,14 +145,17 @@ def _loss(model, x, y, boom_at):
 
 
 def drop_and_retry(
-    rank, world_size, compressor, boom_at_by_rank, wrap_kwargs=None, accumulate=False
+    rank, world_size, compressor, boom_at_by_rank, wrap_kwargs=None, accumulate=None
 ):
     """Step 2's first backward raises on some ranks (after layer ``boom_at_by_rank[rank]``;
     None: it finishes; 4: before any parameter's gradient), each rank that caught the error
     calls drop_step(), every rank's step() raises StepDroppedError, and every rank runs the
-    same batch again. With ``accumulate`` the failing backward is the first of two
-    micro-batches, inside no_sync(). Returns, for the failing run and a clean one: the
-    parameters, the residuals, the ranks the error named, and the skipped steps."""
+    same batch again. ``accumulate``: the failing backward is the first of two
+    micro-batches, inside no_sync(), and drop_step() is called after leaving no_sync
+    ("after"), inside it ("inside"), or inside it with the accumulation then left
+    unfinished and zero_grad() called instead of step() ("inside-zero_grad"). Returns, for
+    the failing run and a clean one: the parameters, the residuals, the ranks the error
+    named, and the skipped steps."""
     out = []
     for fail in (True, False):
         model = make_model()
@@ -163,22 +166,30 @@ def drop_and_retry(
             if fail and step == 2:
                 boom = boom_at_by_rank[rank]
                 _Boom.armed = boom is not None
-                context = opt.no_sync() if accumulate else contextlib.nullcontext()
                 try:
-                    with context:
-                        _loss(model, x, y, boom_at=boom).backward()
+                    if accumulate in ("inside", "inside-zero_grad"):
+                        with opt.no_sync():
+                            try:
+                                _loss(model, x, y, boom_at=boom).backward()
+                            except MemoryError:
+                                opt.drop_step()
+                                opt.drop_step()  # twice: the second sends nothing
+                    else:
+                        with opt.no_sync() if accumulate else contextlib.nullcontext():
+                            _loss(model, x, y, boom_at=boom).backward()
                 except MemoryError:
                     opt.drop_step()
                     opt.drop_step()  # twice: the second sends nothing (or the ranks hang)
                 finally:
                     _Boom.armed = False
-                if accumulate:
-                    _loss(model, x, y, boom_at=None).backward()
-                try:
-                    opt.step()
-                except sparsecomm.StepDroppedError as error:
-                    named = error.ranks
-                opt.zero_grad()
+                if not (accumulate == "inside-zero_grad" and boom is not None):
+                    if accumulate:
+                        _loss(model, x, y, boom_at=None).backward()
+                    try:
+                        opt.step()
+                    except sparsecomm.StepDroppedError as error:
+                        named = error.ranks
+                opt.zero_grad()  # (inside-zero_grad: sends the dropping rank's part)
             if accumulate:
                 with opt.no_sync():
                     _loss(model, x, y, boom_at=None).backward()

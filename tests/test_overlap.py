@@ -82,17 +82,34 @@ def test_drop_step_after_a_failed_backward_keeps_every_rank_in_step(compressor, 
 
 @pytest.mark.parametrize(
     "wrap_kwargs, accumulate",
-    [({"overlap": False}, False), ({"exchange": "updates"}, False), ({}, True)],
-    ids=["no-overlap", "updates", "inside-no_sync"],
+    [
+        ({"overlap": False}, None),
+        ({"exchange": "updates"}, None),
+        ({}, "after"),
+        ({}, "inside"),
+        ({}, "inside-zero_grad"),
+        ({"exchange": "updates"}, "inside-zero_grad"),
+    ],
+    ids=[
+        "no-overlap",
+        "updates",
+        "after-no_sync",
+        "inside-no_sync",
+        "inside-no_sync-then-zero_grad",
+        "updates-inside-no_sync-then-zero_grad",
+    ],
 )
 def test_drop_step_in_the_other_exchange_modes_keeps_every_rank_in_step(wrap_kwargs, accumulate):
     results = run_ranks(
         w.drop_and_retry, 2, sparsecomm.TopK(0.1), [2, None], wrap_kwargs, accumulate
     )
     for rank, (failed, clean) in enumerate(results):
-        assert failed[2] == [0], f"rank {rank}: StepDroppedError named {failed[2]}"
+        # inside-zero_grad: the rank that dropped never calls step() for that batch
+        named = None if rank == 0 and accumulate == "inside-zero_grad" else [0]
+        assert failed[2] == named, f"rank {rank}: StepDroppedError named {failed[2]}"
         assert torch.equal(failed[0], clean[0]), f"rank {rank}: {_diff(failed[0], clean[0])}"
         assert torch.equal(failed[1], clean[1]), f"rank {rank}: {_diff(failed[1], clean[1])}"
+        assert (failed[3], clean[3]) == (1, 0), f"rank {rank}: skipped {failed[3]}, {clean[3]}"
     assert torch.equal(results[0][0][0], results[1][0][0])
 
 
