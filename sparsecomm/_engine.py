@@ -442,6 +442,8 @@ class BucketEngine:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         #: Seconds spent compressing this step (set when ``timed``).
         self.compress_seconds = 0.0
+        #: The bucket whose launch is under way (it raised, if set between launches).
+        self.launching: Bucket | None = None
 
     def compressor_of(self, bucket: Bucket) -> Compressor:
         """The bucket's compressor this step: small-parameter buckets send dense."""
@@ -594,12 +596,16 @@ class BucketEngine:
         self.join()
 
     def _launch(self, bucket: Bucket) -> None:
+        # Set while the bucket's collectives start: should they raise part-way, what was
+        # issued cannot be taken back (CompressedOptimizer.drop_step refuses to drop).
+        self.launching = bucket
         stream = self._side(bucket)
         if stream is None:  # (a stream context costs microseconds even for None)
             self._compress_and_start(bucket)
         else:
             with torch.cuda.stream(stream):
                 self._compress_and_start(bucket)
+        self.launching = None
         self.next_launch += 1
         # Until finish() the buffer holds scratch (the new residual, then the average):
         # hide it from .grad so that nothing reads or scales it in place meanwhile.

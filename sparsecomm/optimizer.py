@@ -235,6 +235,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._refusal: RuntimeError | None = None
         self._drop_pending = False  # drop_step() inside no_sync(): told at the exchange
         self._dropped_here = False  # drop_step() sent this rank's part: until step()/zero_grad()
+        self._agreement_started = False  # this step's agreement was issued (not droppable)
         self._step_stats = StepStats()
         self._hooks: list = []
         self._register_hooks(self._params)
@@ -336,6 +337,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "drop_step() after a backward that finished: this step's gradients were "
                 "already exchanged with every rank. Call step(), or zero_grad() on every rank "
                 "to skip the step; drop_step() is for a rank whose backward raised"
+            )
+        if self._agreement_started or self._engine.launching is not None:
+            raise RuntimeError(
+                "drop_step() cannot drop this step: the error came from inside the exchange "
+                "(a bucket's launch, or after the step's agreement), after this rank may have "
+                "issued collectives it cannot take back, so the ranks can no longer be kept "
+                "in step. Restart the ranks from the last checkpoint"
             )
         self._callback_queued = False  # a backward that raised never ran its callback
         if not self._sync_enabled:
@@ -643,6 +651,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         stats = self._sent_stats()
         used_here = engine.local_used(len(self._params))
         dropped, self._drop_pending = dropped or self._drop_pending, False
+        self._agreement_started = True  # from here on the step cannot be dropped
         agreement = self._start_agreement(engine.peak(), used_here, dropped)
         # Used here means used by some rank: the averages need nothing from the host but the
         # refusal, which the device has already. Queue them now, so that the device has work
@@ -673,7 +682,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not skipped:
             self._steps_taken += 1
             self._engine.step = self._steps_taken
-        self._synchronized = self._dropped_here = False
+        self._synchronized = self._dropped_here = self._agreement_started = False
         self._refusal = None
         self._step_stats = StepStats()
         self._engine.compress_seconds = 0.0

@@ -139,6 +139,29 @@ def test_zero_grad_after_a_finished_backward_skips_the_step():
     assert opt.total_stats.skipped_steps == 1 and opt.steps_taken == 3
 
 
+@pytest.mark.parametrize("where", ["launch", "after-agreement"])
+def test_drop_step_refuses_a_step_whose_exchange_itself_raised(where, monkeypatch):
+    # Collectives may have been issued that cannot be taken back: a clear error, not a
+    # second round of collectives that the other ranks would never match.
+    model = w.make_model()
+    opt = w.wrap(model, sparsecomm.TopK(0.1))
+    for step in range(2):
+        x, y = w.batch(0, step)
+        w._loss(model, x, y, boom_at=None).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fail(*args, **kwargs):
+        raise MemoryError("out of memory (test)")
+
+    target = "_compress_and_start" if where == "launch" else "finish"
+    monkeypatch.setattr(opt._engine, target, fail)
+    with pytest.raises(MemoryError):
+        w._loss(model, x, y, boom_at=None).backward()
+    with pytest.raises(RuntimeError, match="cannot drop"):
+        opt.drop_step()
+
+
 def test_zero_grad_after_a_failed_backward_names_drop_step():
     model = w.make_model()
     opt = w.wrap(model, sparsecomm.TopK(0.1))
