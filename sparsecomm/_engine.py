@@ -12,9 +12,12 @@ One bucket's life in a step:
    ``CompressedOptimizer.zero_grad(set_to_none=True)`` drops the buffer with the ``.grad``
    views (:meth:`Bucket.release`), and the first fill of the next step allocates a new one,
    so that between steps a bucket holds only its residual, as DDP holds only its buckets
-   (a bucket without a residual keeps its one buffer). CUDA graphs of the compression do
-   not mind buffers that move: they read the addresses from a table
-   (:class:`CompressGraphs`).
+   (a bucket without a residual keeps its one buffer). A CPU bucket of several members
+   whose compressor selects from ``grad + residual`` (``TopK``, ``Threshold``) writes that
+   sum as each gradient arrives instead of the gradient alone: one pass over memory where
+   the copy and the compressor's add made two (:meth:`BucketEngine.accumulate`). CUDA
+   graphs of the compression do not mind buffers that move: they read the addresses from
+   a table (:class:`CompressGraphs`).
 2. **launch**: when the last member is filled and every earlier bucket has launched, the
    bucket is compressed and its collective started (``async_op=True``); optionally
    (:attr:`BucketEngine.side_stream`) on CUDA from a side stream that waits for the
@@ -88,6 +91,9 @@ class Bucket:
         next_velocity: float32 scratch holding this step's velocity until finish.
         adopts: a bucket of one parameter that takes the gradient autograd produced as
             its gradient buffer instead of copying it (:meth:`adopt`).
+        accumulates: a CPU bucket whose gradient buffer receives ``residual + gradient``
+            as each gradient arrives, instead of the gradient alone
+            (:meth:`BucketEngine.accumulate`).
     """
 
     positions: list[int] = field(default_factory=list)
@@ -108,6 +114,7 @@ class Bucket:
     velocity: torch.Tensor | None = None
     next_velocity: torch.Tensor | None = None
     adopts: bool = False
+    accumulates: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -426,11 +433,22 @@ class BucketEngine:
         # A bucket of one parameter takes autograd's gradient as its buffer (no copy): the
         # CUDA graphs read their buffers through an address table, so a buffer that is new
         # every step costs them nothing.
+        # A CPU bucket with a residual adds it to each gradient as it arrives (one pass over
+        # memory where a copy into the bucket and the compressor's add made two).
         for bucket in buckets:
             bucket.adopts = len(bucket.params) == 1
+            bucket.accumulates = (
+                bucket.device.type == "cpu"
+                and not bucket.adopts
+                and bucket.compressed
+                and bucket.residual is not None
+                and bucket.velocity is None
+                and compressor.compresses_accumulated()
+            )
         self.next_launch = 0  # buckets before this index have launched this step
         #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
-        #: None: on CUDA only (:meth:`gather`).
+        #: None: on CUDA only (:meth:`gather`). Buckets that :attr:`~Bucket.accumulates`
+        #: add each gradient as it arrives whatever this says.
         self.defer_copies: bool | None = None
         #: Run a CUDA bucket's copies, compression and collective launch on a side stream,
         #: so that they overlap the rest of backward (False: on the current stream). Off by
@@ -467,19 +485,22 @@ class BucketEngine:
             return
         bucket.gradient_buffer()
         target = bucket.grad_views[member]
+        if grad is not None and grad.is_sparse:
+            raise TypeError(
+                "sparse gradients are not supported: build embeddings with "
+                "sparse=False so that their gradients are dense"
+            )
         # On a CPU the copy is the work, best done while the gradient is hot in cache.
         defer = target.is_cuda if self.defer_copies is None else self.defer_copies
-        if grad is None:
+        if bucket.accumulates:
+            self.accumulate(bucket, member, grad)
+            bucket.used[member] = grad is not None
+        elif grad is None:
             if defer:
                 bucket.to_zero.append(member)
             else:
                 target.zero_()
         else:
-            if grad.is_sparse:
-                raise TypeError(
-                    "sparse gradients are not supported: build embeddings with "
-                    "sparse=False so that their gradients are dense"
-                )
             # Autograd accumulated into the bucket itself unless it allocated anew.
             if grad.data_ptr() != target.data_ptr() or grad.dtype != torch.float32:
                 if defer:
@@ -492,6 +513,27 @@ class BucketEngine:
         bucket.pending -= 1
         if not bucket.pending:
             self.gather(bucket)
+
+    @staticmethod
+    def accumulate(bucket: Bucket, member: int, grad: torch.Tensor | None) -> None:
+        """Write ``residual + grad`` (``grad`` None: zeros) into the member's piece of the
+        gradient buffer, the sum the compressor selects from, with the same float32 add as
+        the compressor's own (:meth:`Compressor.compress_accumulated` then skips it). The
+        residual itself stays as it was until the step is known to be good. The sum is not
+        the gradient, so ``.grad`` does not point at it: it becomes None, which frees
+        autograd's tensor as :meth:`_hand_over` does."""
+        target = bucket.grad_views[member]
+        old = bucket.residual_views[member]
+        if grad is None:
+            target.zero_()
+        elif grad.dtype != torch.float32:
+            target.copy_(grad)
+        elif grad.data_ptr() != target.data_ptr():  # autograd allocated it anew
+            torch.add(old, grad, out=target)
+            bucket.params[member].grad = None
+            return
+        torch.add(old, target, out=target)
+        bucket.params[member].grad = None
 
     def gather(self, bucket: Bucket) -> None:
         """Copy the gradients that :meth:`fill` deferred into the bucket, and zero the
@@ -627,7 +669,9 @@ class BucketEngine:
             # grad_buffer, the old one stays as it was.
             source, target = bucket.residual, bucket.grad_buffer
         signature = self.graph_signature(bucket, compressor, self.next_launch)
-        if signature is None:
+        if bucket.accumulates:  # the sum is in grad_buffer already (accumulate)
+            message = compressor.compress_accumulated(bucket.grad_buffer, self.comm.world_size)
+        elif signature is None:
             message = compressor.compress(source, target, self.comm.world_size)
         else:
             message = self.graphs.compress(

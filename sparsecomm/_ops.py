@@ -62,6 +62,40 @@ def topk_compress(grad, residual, k, addresses=None):
     return impl(grad, residual, k)  # (addresses: only the kernels read buffers through it)
 
 
+def _zero_sent(acc, indices, count=None) -> None:
+    """What ``accumulated=True`` does inside the CPU paths, for the other implementations:
+    zero the sent elements of ``acc``, leaving the new residual there."""
+    sent = indices if count is None else indices[: int(count)]
+    acc[sent.long()] = 0.0
+
+
+def topk_compress_accumulated(acc, k):
+    """:func:`topk_compress` where ``acc`` already holds ``grad + residual``: the new
+    residual is left in ``acc``, with the bits ``topk_compress`` leaves in ``residual``."""
+    impl = _pick(acc, _topk.topk_compress, _topk.topk_compress_cpu, _topk.topk_compress_ref)
+    if impl is _topk.topk_compress_cpu:
+        return impl(acc, None, k, accumulated=True)
+    indices, values = impl(acc, None, k)
+    _zero_sent(acc, indices)
+    return indices, values
+
+
+def threshold_compress_accumulated(acc, threshold_value):
+    """:func:`threshold_compress` where ``acc`` already holds ``grad + residual`` (as
+    :func:`topk_compress_accumulated`)."""
+    impl = _pick(
+        acc,
+        _threshold.threshold_compress,
+        _threshold.threshold_compress_cpu,
+        _threshold.threshold_compress_ref,
+    )
+    if impl is _threshold.threshold_compress_cpu:
+        return impl(acc, None, threshold_value, accumulated=True)
+    indices, values, count = impl(acc, None, threshold_value)
+    _zero_sent(acc, indices, count)
+    return indices, values, count
+
+
 def cast_compress(grad, residual, dtype, scale, limit=None, out=None, addresses=None):
     impl = _pick(grad, _cast.cast_compress, _cast.cast_compress_cpu, _cast.cast_compress_ref)
     if impl is _cast.cast_compress:

@@ -156,6 +156,24 @@ class Compressor:
     ) -> Message:
         raise NotImplementedError
 
+    def compress_accumulated(self, acc: torch.Tensor, world_size: int) -> Message:
+        """``compress(grad, residual, world_size)`` where ``acc`` already holds ``grad +
+        residual``: the new residual is left in ``acc``, with the bits ``compress`` would
+        leave in ``residual``. Optional: see :meth:`compresses_accumulated`."""
+        raise NotImplementedError
+
+    def compresses_accumulated(self) -> bool:
+        """Whether :meth:`compress_accumulated` stands for this compressor's ``compress``:
+        where it is defined in the class of the ``compress`` in use or below it (a subclass
+        that overrides ``compress`` alone is taken at its word). The bucket engine then adds
+        each gradient into its CPU bucket as it arrives instead of copying it there."""
+
+        def owner(name: str) -> type:
+            return next(c for c in type(self).__mro__ if name in vars(c))
+
+        accumulated = owner("compress_accumulated")
+        return accumulated is not Compressor and issubclass(accumulated, owner("compress"))
+
     def start(self, message: Message, comm: Communicator, check: bool = True) -> Exchange:
         """Start the collectives. ``check``: also measure the message's peak
         (``Exchange.peak``, which flags NaN, Inf and sums that could overflow); without
@@ -451,6 +469,10 @@ class Threshold(_Sparse):
         indices, values, count = _ops.threshold_compress(grad, residual, self.threshold)
         return Message(numel=grad.numel(), values=values, indices=indices, count_tensor=count)
 
+    def compress_accumulated(self, acc, world_size):
+        indices, values, count = _ops.threshold_compress_accumulated(acc, self.threshold)
+        return Message(numel=acc.numel(), values=values, indices=indices, count_tensor=count)
+
     def _gather_counts(self, message, comm):
         local = message.count_tensor.reshape(1).to(torch.int64)
         counts = comm.all_gather(local).view(-1).tolist()
@@ -586,6 +608,12 @@ class TopK(_Sparse):
         numel = grad.numel()
         k = self.k_for(numel)
         indices, values = _ops.topk_compress(grad, residual, k, addresses)
+        return Message(numel=numel, values=values, indices=indices, count=k)
+
+    def compress_accumulated(self, acc, world_size):
+        numel = acc.numel()
+        k = self.k_for(numel)
+        indices, values = _ops.topk_compress_accumulated(acc, k)
         return Message(numel=numel, values=values, indices=indices, count=k)
 
     def _gather_counts(self, message, comm):

@@ -129,6 +129,13 @@ def check_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int):
     assert_bits(values, ref_values, "values")
     if residual is not None:
         assert_bits(cpu_residual, ref_residual, "residual")
+        # The sum added beforehand (the bucket engine's path): the same message, and the
+        # new residual left in place of the sum.
+        acc = grad + residual
+        acc_indices, acc_values = topk_compress_cpu(acc, None, k, accumulated=True)
+        assert_bits(acc_indices, ref_indices, "indices (accumulated)")
+        assert_bits(acc_values, ref_values, "values (accumulated)")
+        assert_bits(acc, ref_residual, "residual (accumulated)")
     assert_bits(grad, grad_before, "grad (must not change)")
     return indices, values, cpu_residual
 
@@ -183,8 +190,10 @@ def test_topk_bound_too_high_takes_the_next_bound():
         calls.append(lo)
         return real(n, lo, *args, **kwargs)
 
+    residual = torch.randn(n)
+    check_topk(grad, residual, k)
     with mock.patch.object(_cpu, "Candidates", spy):
-        check_topk(grad, torch.randn(n), k)
+        topk_compress_cpu(grad, residual.clone(), k)
     assert len(calls) >= 2 and calls == sorted(calls, reverse=True)
 
 
@@ -232,6 +241,14 @@ def check_threshold(grad, residual, threshold):
     assert_bits(values, ref_values, "values")
     if residual is not None:
         assert_bits(cpu_residual, ref_residual, "residual")
+        acc = grad + residual  # added beforehand, as in check_topk
+        acc_indices, acc_values, acc_count = threshold_compress_cpu(
+            acc, None, threshold, accumulated=True
+        )
+        assert int(acc_count) == int(ref_count)
+        assert_bits(acc_indices, ref_indices, "indices (accumulated)")
+        assert_bits(acc_values, ref_values, "values (accumulated)")
+        assert_bits(acc, ref_residual, "residual (accumulated)")
     assert_bits(grad, grad_before, "grad (must not change)")
     return indices, values, cpu_residual
 
@@ -600,3 +617,35 @@ def test_cpu_paths_refuse_other_devices():
     for impl, extra in [(topk_compress_cpu, 1), (threshold_compress_cpu, 0.5)]:
         with pytest.raises(ValueError, match="CPU tensors"):
             impl(meta, None, extra)
+
+
+# ---- the sum added beforehand, through the dispatch --------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_accumulated_dispatch_matches_compress(mode, monkeypatch):
+    """``_ops.*_compress_accumulated`` (the CPU path, or the reference followed by zeroing
+    what was sent) leaves in ``acc`` what ``*_compress`` leaves in ``residual``."""
+    monkeypatch.setenv("SPARSECOMM_KERNELS", mode)
+    n = 70_001
+    for kind in ["normal", "ties", "zeros", "non_finite"]:
+        grad, residual = make(kind, n, seed=7), residual_for(kind, n, seed=7)
+        for op, accumulated, arg in [
+            (_ops.topk_compress, _ops.topk_compress_accumulated, 700),
+            (_ops.threshold_compress, _ops.threshold_compress_accumulated, 0.5),
+        ]:
+            ref_residual = residual.clone()
+            expected = op(grad, ref_residual, arg)
+            acc = grad + residual
+            got = accumulated(acc, arg)
+            for ours, theirs in zip(got, expected):
+                assert_bits(ours, theirs, f"{op.__name__} ({kind})")
+            assert_bits(acc, ref_residual, f"{op.__name__} residual ({kind})")
+
+
+def test_accumulated_takes_no_residual():
+    grad = torch.randn(100)
+    with pytest.raises(ValueError, match="residual=None"):
+        topk_compress_cpu(grad, torch.zeros(100), 5, accumulated=True)
+    with pytest.raises(ValueError, match="residual=None"):
+        threshold_compress_cpu(grad, torch.zeros(100), 0.5, accumulated=True)

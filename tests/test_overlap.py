@@ -405,6 +405,134 @@ def test_gradients_copied_at_launch_give_the_bits_of_copies_on_arrival(compresso
     assert torch.equal(results[0], results[1]), _diff(results[0], results[1])
 
 
+class _MixedPrecision(torch.nn.Module):
+    """w.make_model's layers with the middle one in bf16 (its gradient is bf16: the engine
+    converts it into the float32 bucket)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = w.make_model()
+        self.layers[2].to(torch.bfloat16)
+
+    def forward(self, x, skip_first=False):
+        first, middle, last = self.layers[0], self.layers[2], self.layers[4]
+        x = x.sum(1, keepdim=True).expand(-1, w.HIDDEN) if skip_first else torch.tanh(first(x))
+        x = torch.tanh(middle(x.to(torch.bfloat16))).float()
+        return last(x)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        sparsecomm.TopK(0.1),
+        sparsecomm.Threshold(2e-3),
+        sparsecomm.TopK(0.05, warmup_steps=3, warmup="dense"),
+        sparsecomm.TopK(0.01, warmup_steps=4),
+    ],
+    ids=repr,
+)
+def test_sums_written_on_arrival_give_the_bits_of_copies(compressor, monkeypatch):
+    """On a CPU a bucket of several members receives residual + gradient as each gradient
+    arrives (``Bucket.accumulates``) and the compressor skips its own add; against the
+    copy-then-add path, bit for bit: a bf16 layer, a layer without a gradient every other
+    step, gradients accumulated in place after ``zero_grad(set_to_none=False)``, two
+    backward passes under ``no_sync()``, and poisoned fresh buffers (a member left
+    unwritten would be refused)."""
+    allocate = _engine.Bucket.gradient_buffer
+
+    def poisoned(bucket):
+        fresh = bucket.grad_buffer is None
+        buffer = allocate(bucket)
+        if fresh:
+            buffer.fill_(float("nan"))
+        return buffer
+
+    monkeypatch.setattr(_engine.Bucket, "gradient_buffer", poisoned)
+    results = []
+    for accumulate in (True, False):
+        model = _MixedPrecision()
+        opt = w.wrap(model, compressor, bucket_cap_mb=1)  # both large weights in one bucket
+        buckets = opt._engine.buckets
+        assert any(b.accumulates for b in buckets), "no bucket takes the path under test"
+        for bucket in buckets:
+            bucket.accumulates = bucket.accumulates and accumulate
+        # Registered after the optimizer's hook, so it runs after it: the sums never show
+        # as .grad.
+        grads_seen = []
+        for bucket in buckets:
+            for param in bucket.params if bucket.accumulates else []:
+                param.register_post_accumulate_grad_hook(
+                    lambda p, seen=grads_seen: seen.append(p.grad is None)
+                )
+        residuals = []
+        for step in range(8):
+            x, y = w.batch(0, step)
+            if step == 5:
+                with opt.no_sync():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+            out = model(x, skip_first=step % 2 == 0)
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=step % 3 != 0)
+            residuals.append(torch.cat([opt.residual(p).view(-1) for p in model.parameters()]))
+        results.append((w.flat(model), torch.stack(residuals)))
+        if accumulate:  # per backward, one entry per member with a gradient
+            hooked = [False] + [True] * 6 + [False, False] + [True] * 5
+            assert grads_seen == hooked  # the first step and no_sync() do not fill
+    for ours, theirs in zip(results[0], results[1]):
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), _diff(ours, theirs)
+
+
+def test_a_refused_step_keeps_the_residual_when_sums_are_written_on_arrival():
+    """The sum goes into the gradient buffer, not the residual: a step refused for a NaN
+    leaves every residual as it was."""
+    model = w.make_model()
+    opt = w.wrap(model, sparsecomm.TopK(0.1), bucket_cap_mb=1)
+    assert any(b.accumulates for b in opt._engine.buckets)
+    x, y = w.batch(0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    before = [opt.residual(p) for p in model.parameters()]
+    assert any(r.abs().sum() > 0 for r in before)
+    x[0, 0] = float("nan")
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    for param, old in zip(model.parameters(), before):
+        assert torch.equal(opt.residual(param).view(torch.int32), old.view(torch.int32))
+
+
+def test_a_subclass_that_overrides_compress_alone_keeps_its_compress():
+    """A TopK subclass with its own compress() (here counting its calls) is not bypassed by
+    compress_accumulated(); one that overrides both takes the summing path."""
+
+    class Counted(sparsecomm.TopK):
+        calls = 0
+
+        def compress(self, grad, residual, world_size, addresses=None):
+            Counted.calls += 1
+            return super().compress(grad, residual, world_size, addresses)
+
+    class Both(Counted):
+        def compress_accumulated(self, acc, world_size):
+            return super().compress_accumulated(acc, world_size)
+
+    assert sparsecomm.TopK(0.1).compresses_accumulated()
+    assert sparsecomm.Threshold(0.1).compresses_accumulated()
+    assert not sparsecomm.Dense().compresses_accumulated()
+    assert not sparsecomm.Cast(torch.bfloat16).compresses_accumulated()
+    assert not Counted(0.1).compresses_accumulated()
+    assert Both(0.1).compresses_accumulated()
+    model = w.make_model()
+    opt = w.wrap(model, Counted(0.1), bucket_cap_mb=1)
+    assert not any(b.accumulates for b in opt._engine.buckets)
+    x, y = w.batch(0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert Counted.calls == 1  # the one bucket of the two large weights
+
+
 def _adopting_run(adopt: bool, steps: int = 5):
     """Train two 48x48 layers, one weight per bucket, with TopK locally; record the
     address of each gradient autograd produced and of each weight's residual after step."""

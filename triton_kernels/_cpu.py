@@ -36,6 +36,14 @@ def require_cpu(tensor: torch.Tensor, op: str) -> None:
         )
 
 
+def check_accumulated(accumulated: bool, residual: torch.Tensor | None, op: str) -> None:
+    if accumulated and residual is not None:
+        raise ValueError(
+            f"{op}(accumulated=True) takes acc = grad + residual, already added, in grad, "
+            "and leaves the new residual there: pass residual=None"
+        )
+
+
 def int_view(tensor: torch.Tensor) -> np.ndarray:
     """The float32 tensor's memory as a numpy int32 array (no copy)."""
     return tensor.detach().numpy().view(np.int32)

@@ -206,7 +206,11 @@ def threshold_compress_ref(
 
 
 def threshold_compress_cpu(
-    grad: torch.Tensor, residual: torch.Tensor | None, threshold: float
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    threshold: float,
+    *,
+    accumulated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fast CPU version of :func:`threshold_compress_ref`: the same outputs, bit for bit,
     returned at their exact length as the reference returns them.
@@ -218,10 +222,15 @@ def threshold_compress_cpu(
     No ``n``-element temporaries; about 12 bytes of memory traffic per element with a
     residual (4 without) plus 8 per sent pair.
 
+    With ``accumulated=True`` (and ``residual=None``), ``grad`` already holds ``acc =
+    grad + residual`` and is left holding the new residual, as in
+    :func:`~sparsecomm.triton_kernels.topk.topk_compress_cpu`.
+
     Args and returns: as :func:`threshold_compress_ref`; CPU tensors only.
     """
     check_grad_residual(grad, residual)
     _cpu.require_cpu(grad, "threshold_compress_cpu")
+    _cpu.check_accumulated(accumulated, residual, "threshold_compress_cpu")
     threshold_key = _cpu.float32_key(_check_threshold(threshold))
     n = grad.numel()
     acc = grad if residual is None else residual
@@ -231,7 +240,7 @@ def threshold_compress_cpu(
         if residual is not None:
             torch.add(grad[start:end], residual[start:end], out=residual[start:end])
         # Sent: +0.0 stays in the residual, as masked_fill writes.
-        candidates.add_chunk(bits[start:end], start, zero=residual is not None)
+        candidates.add_chunk(bits[start:end], start, zero=residual is not None or accumulated)
     indices, values = candidates.arrays()
     count = torch.tensor(candidates.count, dtype=torch.int64)
     return torch.from_numpy(indices), torch.from_numpy(values).view(torch.float32), count

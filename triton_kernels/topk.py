@@ -616,7 +616,7 @@ def _cpu_bounds(sample_keys: np.ndarray, n: int, k: int):
 
 
 def topk_compress_cpu(
-    grad: torch.Tensor, residual: torch.Tensor | None, k: int
+    grad: torch.Tensor, residual: torch.Tensor | None, k: int, *, accumulated: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fast CPU version of :func:`topk_compress_ref`: the same outputs and residual, bit for bit.
 
@@ -641,18 +641,25 @@ def topk_compress_cpu(
     candidates; inputs for which most elements tie with the k-th largest key (all equal,
     mostly zeros with k beyond the non-zeros) take step 3 down to every element.
 
+    With ``accumulated=True`` (and ``residual=None``), ``grad`` already holds ``acc =
+    grad + residual``, added by the caller (the bucket engine adds each gradient into its
+    bucket as it arrives, saving a pass): the sent elements are zeroed in ``grad``, which is
+    left holding the new residual, with the bits the reference leaves in ``residual``.
+
     Args and returns: as :func:`topk_compress_ref`; CPU tensors only.
     """
     k = _check_inputs(grad, residual, k)
     _cpu.require_cpu(grad, "topk_compress_cpu")
+    _cpu.check_accumulated(accumulated, residual, "topk_compress_cpu")
+    keep = residual is not None or accumulated  # what is not sent stays behind, in acc
     n = grad.numel()
     if k == 0 or k == n:
         acc = grad if residual is None else torch.add(grad, residual, out=residual)
         if k == 0:  # nothing is sent: the whole of acc stays behind
             return torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
         values = acc.clone()
-        if residual is not None:
-            residual.zero_()
+        if keep:
+            acc.zero_()
         return torch.arange(n, dtype=torch.int32), values
 
     if n <= _CPU_DIRECT_MAX:
@@ -662,7 +669,7 @@ def topk_compress_cpu(
         take = _cpu.select_top(bits & _cpu.SIGN_CLEAR, k)
         chosen = np.flatnonzero(take).astype(np.int32)
         values = bits[chosen]
-        if residual is not None:
+        if keep:
             bits[chosen] = 0
         return torch.from_numpy(chosen), torch.from_numpy(values).view(torch.float32)
 
@@ -680,7 +687,7 @@ def topk_compress_cpu(
     # The first pass copies each candidate out and zeroes it in the residual while its
     # chunk is in cache; the ones not sent are written back afterwards (fewer, for a good
     # bound, than the k random writes of zeroing the sent ones after the pass).
-    zero = residual is not None
+    zero = keep
     candidates = _cpu.Candidates(n, next(bounds))
     for start, end in _cpu.chunks(n):
         if residual is not None:
