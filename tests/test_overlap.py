@@ -371,12 +371,10 @@ def test_zero_grad_releases_the_gradient_buffers_and_keeps_the_bits(compressor):
     assert all(a() is None for a in averages), "a released buffer is still alive"
 
 
-@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.float16)])
-def test_gradients_copied_at_launch_give_the_bits_of_copies_on_arrival(compressor, monkeypatch):
-    """The CUDA path copies a bucket's gradients with one foreach call at its launch; here
-    forced on a CPU against copies as each gradient arrives, with a layer that has no
-    gradient every other step (its members are zeroed the same way). Buffers allocated
-    anew are poisoned with NaN, so a member left unwritten would be refused."""
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """Gradient buffers allocated anew are filled with NaN: a member left unwritten would
+    have its step refused."""
     allocate = _engine.Bucket.gradient_buffer
 
     def poisoned(bucket):
@@ -387,6 +385,16 @@ def test_gradients_copied_at_launch_give_the_bits_of_copies_on_arrival(compresso
         return buffer
 
     monkeypatch.setattr(_engine.Bucket, "gradient_buffer", poisoned)
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.float16)])
+def test_gradients_copied_at_launch_give_the_bits_of_copies_on_arrival(
+    compressor, poisoned_buffers
+):
+    """The CUDA path copies a bucket's gradients with one foreach call at its launch; here
+    forced on a CPU against copies as each gradient arrives, with a layer that has no
+    gradient every other step (its members are zeroed the same way). Buffers allocated
+    anew are poisoned with NaN, so a member left unwritten would be refused."""
     results = []
     for defer in (False, True):
         model = w.make_model()
@@ -431,23 +439,13 @@ class _MixedPrecision(torch.nn.Module):
     ],
     ids=repr,
 )
-def test_sums_written_on_arrival_give_the_bits_of_copies(compressor, monkeypatch):
+def test_sums_written_on_arrival_give_the_bits_of_copies(compressor, poisoned_buffers):
     """On a CPU a bucket of several members receives residual + gradient as each gradient
     arrives (``Bucket.accumulates``) and the compressor skips its own add; against the
     copy-then-add path, bit for bit: a bf16 layer, a layer without a gradient every other
     step, gradients accumulated in place after ``zero_grad(set_to_none=False)``, two
     backward passes under ``no_sync()``, and poisoned fresh buffers (a member left
     unwritten would be refused)."""
-    allocate = _engine.Bucket.gradient_buffer
-
-    def poisoned(bucket):
-        fresh = bucket.grad_buffer is None
-        buffer = allocate(bucket)
-        if fresh:
-            buffer.fill_(float("nan"))
-        return buffer
-
-    monkeypatch.setattr(_engine.Bucket, "gradient_buffer", poisoned)
     results = []
     for accumulate in (True, False):
         model = _MixedPrecision()
