@@ -7,8 +7,10 @@ is restored before each timed call, untimed. Beside them, as the bandwidth refer
 ``torch.add(g, r, out=r)`` (12 bytes per element: the floor of an error-feedback pass) and a
 ``dst.copy_(src)`` (8 bytes), timed the same way.
 
-Floors per element: top-k and threshold 12 B + 8 B per sent pair; cast 14 B (fp32 grad and
-residual in, residual and fp16 out); scatter-add 4 B of output + 8 B per received pair.
+Floors per element: top-k and threshold 12 B + 8 B per sent pair (top-k from a sum added
+beforehand, as the bucket engine's CPU path calls it: 4 B + 8 B per pair); cast 14 B (fp32
+grad and residual in, residual and fp16 out); scatter-add 4 B of output + 8 B per received
+pair.
 
     python benchmarks/bench_cpu.py                  # prints a markdown table
     python benchmarks/bench_cpu.py --threads 1      # torch.set_num_threads(1) first
@@ -115,6 +117,20 @@ def measure(n: int, repeats: int, row) -> None:
             seconds = timed(lambda fn=fn, k=k: fn(grad, residual, k), restore, repeats)
             row("top-k, EF", n, label, provider, seconds, 12 * n + 8 * k,
                 bits if provider.endswith("cpu") else "")  # fmt: skip
+
+        # top-k from the sum already added (the bucket engine's CPU path adds the residual
+        # as each gradient arrives): one read of the sum, the sent elements zeroed in it
+        acc0 = grad + residual0
+        acc = acc0.clone()
+        cpu = topk_compress_cpu(acc, None, k, accumulated=True), acc.clone()
+        bits = "yes" if same_bits(cpu, ref) else "NO"
+        seconds = timed(
+            lambda k=k, a=acc: topk_compress_cpu(a, None, k, accumulated=True),
+            lambda a=acc, a0=acc0: a.copy_(a0), repeats,
+        )  # fmt: skip
+        row("top-k, sum added", n, label, "topk_compress_cpu(accumulated=True)", seconds,
+            4 * n + 8 * k, bits)  # fmt: skip
+        del acc, acc0
 
         # threshold at the magnitude that sends about k elements
         acc = (grad + residual0).abs()
