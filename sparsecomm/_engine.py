@@ -463,6 +463,11 @@ class BucketEngine:
         #: The bucket whose launch is under way (it raised, if set between launches).
         self.launching: Bucket | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """The first bucket's device (the CPU without buckets): where the step's flags go."""
+        return self.buckets[0].device if self.buckets else torch.device("cpu")
+
     def compressor_of(self, bucket: Bucket) -> Compressor:
         """The bucket's compressor this step: small-parameter buckets send dense."""
         return self.compressor.at_step(self.step) if bucket.compressed else _DENSE
@@ -662,6 +667,15 @@ class BucketEngine:
             # next_velocity (kept until finish); u itself stays as it was.
             bucket.grad_buffer.add_(bucket.velocity, alpha=self.momentum)
             bucket.next_velocity.copy_(bucket.grad_buffer)
+        if bucket.accumulates:  # the sum is in grad_buffer already (accumulate)
+            message = compressor.compress_accumulated(bucket.grad_buffer, self.comm.world_size)
+        else:
+            message = self._compress(bucket, compressor)
+        self.compress_seconds += self.comm.clock(bucket.device) - started
+        bucket.exchange = compressor.start(message, self.comm)
+
+    def _compress(self, bucket: Bucket, compressor: Compressor) -> Message:
+        """``compressor.compress`` on the bucket (from a CUDA graph where one serves)."""
         if bucket.residual is None:
             source, target = bucket.grad_buffer, None
         else:
@@ -669,16 +683,11 @@ class BucketEngine:
             # grad_buffer, the old one stays as it was.
             source, target = bucket.residual, bucket.grad_buffer
         signature = self.graph_signature(bucket, compressor, self.next_launch)
-        if bucket.accumulates:  # the sum is in grad_buffer already (accumulate)
-            message = compressor.compress_accumulated(bucket.grad_buffer, self.comm.world_size)
-        elif signature is None:
-            message = compressor.compress(source, target, self.comm.world_size)
-        else:
-            message = self.graphs.compress(
-                compressor, source, target, self.comm.world_size, signature, self.next_launch
-            )
-        self.compress_seconds += self.comm.clock(bucket.device) - started
-        bucket.exchange = compressor.start(message, self.comm)
+        if signature is None:
+            return compressor.compress(source, target, self.comm.world_size)
+        return self.graphs.compress(
+            compressor, source, target, self.comm.world_size, signature, self.next_launch
+        )
 
     # ---------------------------------------------------------------- finish
 

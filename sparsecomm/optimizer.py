@@ -513,7 +513,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """``exchange="updates"``: one all-reduce of a flag per rank (2: it dropped the
         step, 1: a gradient holds NaN or Inf, 0: neither), before the wrapped optimizer
         steps. Returns the step's refusal or None."""
-        device = self._engine.buckets[0].device if self._engine.buckets else torch.device("cpu")
+        device = self._engine.device
         flags = torch.zeros(self.world_size, device=device)
         params = [p for p in self._params if p.grad is not None]
         if dropped:
@@ -705,7 +705,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """``BucketEngine.finish``; returns the seconds it took beyond waiting for the
         collectives (measured only when profiling)."""
         engine = self._engine
-        device = engine.buckets[0].device if engine.buckets else torch.device("cpu")
+        device = engine.device
         started, comm_before = self._comm.clock(device), self._comm.seconds
         engine.finish(used, skip)
         finished = self._comm.clock(device)
@@ -794,8 +794,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         state = grad_scaler._per_optimizer_states[id(self)]
         found_inf = state["found_inf_per_device"]
         if not found_inf:  # no gradient left to unscale (drop_step() cleared them)
-            device = self._engine.buckets[0].device if self._engine.buckets else "cpu"
-            found_inf[torch.device(device)] = torch.ones((), device=device)
+            device = self._engine.device
+            found_inf[device] = torch.ones((), device=device)
         for flag in found_inf.values():
             flag.fill_(1.0)
 
