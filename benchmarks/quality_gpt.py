@@ -51,12 +51,32 @@ RECIPES = {
         lambda w: sparsecomm.TopK(0.001, warmup_steps=w),
         {"exchange": "updates"},
     ),
+    "topk-catchup": ("TopK(0.01), CatchUpAdamW (e)", lambda w: sparsecomm.TopK(0.01), {}),
+    "topk-catchup-warmup": (
+        "TopK(0.01), CatchUpAdamW + warm-up (e+b)",
+        lambda w: sparsecomm.TopK(0.01, warmup_steps=w),
+        {},
+    ),
+    "topk-0.001-catchup-warmup": (
+        "TopK(0.001), CatchUpAdamW + warm-up (e+b)",
+        lambda w: sparsecomm.TopK(0.001, warmup_steps=w),
+        {},
+    ),
 }
+
+
+def inner_optimizer(name: str, workload, params: list) -> torch.optim.Optimizer:
+    """The workload's AdamW, or for the CatchUpAdamW recipes (the key says "catchup")
+    ``sparsecomm.CatchUpAdamW`` with its learning rate and weight decay."""
+    adamw = workload.make_optimizer(params)
+    if "catchup" not in name:
+        return adamw
+    return sparsecomm.CatchUpAdamW(params, **{k: adamw.defaults[k] for k in ("lr", "weight_decay")})
 
 
 def train(name: str, workload, args, device) -> tuple[list[float], float]:
     model = workload.make_model()
-    inner = workload.make_optimizer(list(model.parameters()))
+    inner = inner_optimizer(name, workload, list(model.parameters()))
     _, make, options = RECIPES[name]
     if make is None:
         optimizer = inner

@@ -91,9 +91,10 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
         "--optimizer",
-        choices=("sgd", "adamw"),
+        choices=("sgd", "adamw", "catchup-adamw"),
         default="sgd",
-        help="wrapped optimizer: SGD with momentum 0.9, or AdamW",
+        help="wrapped optimizer: SGD with momentum 0.9, AdamW, or sparsecomm.CatchUpAdamW "
+        "(AdamW that credits a coordinate the steps it waited to be sent)",
     )
     add("--lr", type=float, default=0.05, help="peak learning rate")
     add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
@@ -224,7 +225,8 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
             model.parameters(), lr=args.lr, momentum=momentum, weight_decay=args.weight_decay
         )
     else:
-        inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        adamw = torch.optim.AdamW if args.optimizer == "adamw" else sparsecomm.CatchUpAdamW
+        inner = adamw(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return sparsecomm.CompressedOptimizer(
         inner,
         compressor=make_compressor(args),

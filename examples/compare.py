@@ -4,10 +4,10 @@
 Cast(bf16), TopK with and without error feedback, TopK with a density warm-up, TopK with
 DGC momentum correction and Threshold. ``--task charlm`` runs ``train_charlm.py`` (AdamW)
 for dense fp32 and the AdamW recipes: TopK into AdamW as it is, with the exponential density
-warm-up, with a dense warm-up, and with ``exchange="updates"`` (alone and with either
-warm-up). Each TopK run is repeated for every ``--density``. All runs use torchrun (2 ranks
-by default) with the same seed and flags, and write to the output directory (default
-``runs/compare/``):
+warm-up, with a dense warm-up, with ``exchange="updates"`` and with ``CatchUpAdamW`` in
+place of AdamW (each alone and with either warm-up). Each TopK run is repeated for every
+``--density``. All runs use torchrun (2 ranks by default) with the same seed and flags, and
+write to the output directory (default ``runs/compare/``):
 
 - ``compare.png`` / ``charlm.png``: the metric against step and against megabytes sent
   (rank 0);
@@ -57,6 +57,7 @@ def run_specs(
     many = len(densities) > 1
     exp = ["--density-warmup", str(warmup)]
     dense = [*exp, "--density-warmup-shape", "dense"]
+    catchup = ["--optimizer", "catchup-adamw"]
     if task == "digits":
         variants = [
             ("topk-ef", "+ EF", []),
@@ -83,6 +84,17 @@ def run_specs(
                 "topk-updates-dense-warmup",
                 f"+ EF, updates, dense warm-up {warmup} (d+c)",
                 ["--exchange", "updates", *dense],
+            ),
+            ("topk-catchup", "+ EF, CatchUpAdamW (e)", catchup),
+            (
+                "topk-catchup-warmup",
+                f"+ EF, CatchUpAdamW, exp. warm-up {warmup} (e+b)",
+                [*catchup, *exp],
+            ),
+            (
+                "topk-catchup-dense-warmup",
+                f"+ EF, CatchUpAdamW, dense warm-up {warmup} (e+c)",
+                [*catchup, *dense],
             ),
         ]
     for density in densities:

@@ -2,11 +2,14 @@
 
 Wrap any ``torch.optim`` optimizer in :class:`CompressedOptimizer` and pick a compressor:
 :class:`Dense`, :class:`Cast`, :class:`Threshold` or :class:`TopK`; or keep
-``DistributedDataParallel`` and register :func:`ddp_comm_hook`'s hook on it. The compression kernels
-live in ``sparsecomm.triton_kernels`` (Triton for CUDA tensors, torch references on CPU).
+``DistributedDataParallel`` and register :func:`ddp_comm_hook`'s hook on it. Behind a sparse
+compressor under AdamW, wrap :class:`CatchUpAdamW` (it credits a coordinate the steps it waited
+to be sent). The compression kernels live in ``sparsecomm.triton_kernels`` (Triton for CUDA
+tensors, torch references on CPU).
 """
 
 from ._stats import StepStats
+from .catchup import CatchUpAdamW
 from .compressors import Cast, Compressor, Dense, Threshold, TopK
 from .ddp import DDPCommHookState, ddp_comm_hook
 from .optimizer import CompressedOptimizer, NonFiniteGradientError, StepDroppedError
@@ -15,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressedOptimizer",
+    "CatchUpAdamW",
     "Compressor",
     "Dense",
     "Cast",

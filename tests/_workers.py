@@ -33,6 +33,8 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.05)
     if name in ("adamw", "adamw-updates"):  # the second with exchange="updates" (see wrap)
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "catchup":
+        return sparsecomm.CatchUpAdamW(params, lr=1e-3, weight_decay=0.01)
     raise ValueError(name)
 
 

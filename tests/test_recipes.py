@@ -357,6 +357,7 @@ def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
         (sparsecomm.TopK(0.05, warmup_steps=15, warmup="dense"), "adamw"),
         (sparsecomm.Dense(), "dgc"),
         (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
+        (sparsecomm.TopK(0.05), "catchup"),
     ]
     full = run_ranks(_workers.resume, 2, "full", str(tmp_path), configs, 10, 20)
     run_ranks(_workers.resume, 2, "first", str(tmp_path), configs, 10, 20)
