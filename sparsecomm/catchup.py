@@ -34,11 +34,18 @@ quality with AdamW").
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
 
+from . import _ops
+from .triton_kernels import catchup as _kernel
+
 __all__ = ["CatchUpAdamW"]
+
+#: Set once the Triton kernel failed (it did not compile here): torch ops from then on.
+_kernel_failed = False
 
 _CHUNK = 1 << 18  # elements per chunk of the CPU pass over every coordinate (1 MiB of float32)
 
@@ -114,9 +121,10 @@ class CatchUpAdamW(torch.optim.Optimizer):
         state = self.state[param]
         if not state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-            state["last_step"] = torch.zeros_like(param, dtype=torch.int32)
+            zeros = dict(device=param.device, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(param.shape, **zeros)
+            state["exp_avg_sq"] = torch.zeros(param.shape, **zeros)
+            state["last_step"] = torch.zeros(param.shape, device=param.device, dtype=torch.int32)
         state["step"] += 1
         catch_up_adamw_(
             param,
@@ -149,13 +157,32 @@ def catch_up_adamw_(
     ``last_step``, float32 and int32, contiguous). ``step``: this step's number, counting
     from 1.
 
-    On CUDA, elementwise over the whole parameter, with no host synchronisation. On a CPU,
-    where the host learns for free how many coordinates received something, over those
-    alone when they are fewer than half (behind ``TopK``, most steps): the catch-up's
-    arithmetic, two exponentials per coordinate among it, then costs in proportion to what was
-    sent. Both give each coordinate the same arithmetic."""
-    work = param if param.dtype == torch.float32 else param.float()
-    flat = [t.detach().view(-1) for t in (grad.float(), work, exp_avg, exp_avg_sq, last_step)]
+    On CUDA, one Triton kernel (``triton_kernels/catchup.py``; ``SPARSECOMM_KERNELS=torch``
+    runs the torch ops below instead, over the whole parameter, with no host
+    synchronisation). On a CPU, where the host learns for free how many coordinates
+    received something, over those alone when they are fewer than half (behind ``TopK``,
+    most steps): the catch-up's arithmetic, two exponentials per coordinate among it, then
+    costs in proportion to what was sent; else over every coordinate, in chunks."""
+    global _kernel_failed
+    if _ops.use_triton(param) and not _kernel_failed and min(betas) > 0 and param.is_contiguous():
+        try:
+            _kernel.catch_up_adamw(
+                param, grad.contiguous(), exp_avg, exp_avg_sq, last_step, step=step, lr=lr,
+                betas=betas, eps=eps, weight_decay=weight_decay,
+            )  # fmt: skip
+            return
+        except Exception as error:  # (Triton's errors have no common type)
+            _kernel_failed = True
+            warnings.warn(
+                f"sparsecomm.CatchUpAdamW: its Triton kernel failed ({error!r}); stepping "
+                "with torch ops from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    contiguous = param.dtype == torch.float32 and param.is_contiguous()
+    work = param if contiguous else param.float().contiguous()
+    flat = [t.detach().view(-1) for t in (work, exp_avg, exp_avg_sq, last_step)]
+    flat.insert(0, grad.detach().float().reshape(-1))
     hyper = step, lr, betas, eps
     work.mul_(1.0 - lr * weight_decay)
     if grad.is_cuda:

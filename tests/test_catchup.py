@@ -234,3 +234,20 @@ def test_a_sparse_gradient_is_refused_with_the_fix():
     param.grad = torch.zeros(4, 2).to_sparse()
     with pytest.raises(TypeError, match="sparse=False"):
         opt.step()
+
+
+def test_the_step_benchmark_prints_its_table():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_catchup.py"), "--device", "cpu",
+         "--scale", "0.02", "--steps", "1", "--received", "1", "0.1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |")]
+    rows += [line for line in result.stdout.splitlines() if line.startswith("| 0.1 |")]
+    assert len(rows) == 2 and all(len(row.split("|")) == 7 for row in rows), result.stdout

@@ -1,4 +1,5 @@
-"""Compression kernels of sparsecomm, installed as ``sparsecomm.triton_kernels``.
+"""Compression kernels of sparsecomm (and its optimizer's), installed as
+``sparsecomm.triton_kernels``.
 
 One module per operation; each holds the ``@triton.jit`` kernel, its launcher and the
 pure-torch reference (``*_ref``) that defines what the kernel computes, and a fast CPU
@@ -12,6 +13,7 @@ module             operation
 ``topk``           error-feedback exact top-k, ties to the lower index
 ``cast``           error-feedback cast to fp16 / bf16
 ``scatter_add``    deterministic sum of W ranks' (index, value) messages
+``catchup``        ``sparsecomm.CatchUpAdamW``'s step of one parameter, one pass
 =================  ==========================================================
 
 ``MAX_NUMEL`` (``2**31 - 1``, from ``_checks``) is the one definition of the int32 index

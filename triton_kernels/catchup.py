@@ -1,0 +1,131 @@
+"""``CatchUpAdamW``'s step of one parameter in one pass (``sparsecomm.catchup``).
+
+The torch version (``sparsecomm.catchup._catch_up``) is the definition: about twenty
+elementwise ops, each a kernel launch and a pass over memory. This kernel reads the
+parameter, its gradient, both moments and ``last_step`` once (20 bytes per fp32 element)
+and writes the parameter back and, only where the gradient is nonzero, the moments and
+``last_step``: on a 163M-parameter model, 149 launches a step instead of about 3000. The
+results agree with the torch version to float32 rounding, not bit for bit (``exp2`` and the
+divisions are the GPU's own); every rank runs the same kernel, so ranks stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_SIZE = 2048  # elements per program; an elementwise pass, 8 per thread with 8 warps
+NUM_WARPS = 8
+
+
+@triton.jit
+def _catch_up_adamw_kernel(
+    param_ptr,
+    grad_ptr,
+    avg_ptr,
+    avg_sq_ptr,
+    last_ptr,
+    n,
+    step,
+    decay,
+    log2_beta1,
+    log2_beta2,
+    momenta_ratio,
+    step_size,
+    bias_correction2,
+    eps,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    in_bounds = offsets < n
+    g = tl.load(grad_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
+    work = p.to(tl.float32) * decay  # the decoupled weight decay, on every coordinate
+    received = g != 0.0
+    touch = in_bounds & received
+    m = tl.load(avg_ptr + offsets, mask=touch, other=0.0)
+    v = tl.load(avg_sq_ptr + offsets, mask=touch, other=0.0)
+    last = tl.load(last_ptr + offsets, mask=touch, other=0)
+    tau = (step - last).to(tl.float32)
+    tau = tl.where(received, tau, 1.0)  # (unread where nothing was received)
+    g = g / tau
+    decay1 = tl.exp2(tau * log2_beta1)
+    decay2 = tl.exp2(tau * log2_beta2)
+    c = (1.0 - decay1) * momenta_ratio
+    momenta = m * c + g * (tau - c)
+    new_m = m + (1.0 - decay1) * (g - m)
+    new_v = v + (1.0 - decay2) * (g * g - v)
+    denom = tl.sqrt(new_v / bias_correction2) + eps
+    work = tl.where(received, work - momenta / denom * step_size, work)
+    tl.store(param_ptr + offsets, work.to(p.dtype), mask=in_bounds)
+    tl.store(avg_ptr + offsets, new_m, mask=touch)
+    tl.store(avg_sq_ptr + offsets, new_v, mask=touch)
+    tl.store(last_ptr + offsets, tl.zeros_like(last) + step, mask=touch)
+
+
+def catch_up_adamw(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    last_step: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One ``CatchUpAdamW`` step of one parameter, in place, as one Triton kernel.
+
+    Args:
+        param: contiguous float32, bfloat16 or float16 parameter (updated in place).
+        grad: its gradient, contiguous, of ``param``'s shape (any float dtype).
+        exp_avg, exp_avg_sq: contiguous float32 moments of ``param``'s shape (updated).
+        last_step: contiguous int32 of ``param``'s shape: the step at which each coordinate
+            last had a nonzero gradient (updated).
+        step: this step's number, counting from 1; larger than every ``last_step``.
+        lr, betas, eps, weight_decay: as for ``torch.optim.AdamW``; betas in (0, 1).
+    """
+    beta1, beta2 = betas
+    for name, tensor in (
+        ("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+        ("last_step", last_step),
+    ):  # fmt: skip
+        if tensor.shape != param.shape or not tensor.is_contiguous():
+            raise ValueError(
+                f"catch_up_adamw: {name} must be contiguous and shaped like param "
+                f"{tuple(param.shape)}, got {tuple(tensor.shape)}"
+            )
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise TypeError("catch_up_adamw: exp_avg and exp_avg_sq must be float32")
+    if last_step.dtype != torch.int32:
+        raise TypeError(f"catch_up_adamw: last_step must be int32, got {last_step.dtype}")
+    if not (0.0 < beta1 < 1.0 and 0.0 < beta2 < 1.0):
+        raise ValueError(f"catch_up_adamw: betas must be in (0, 1), got {betas}")
+    n = param.numel()
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, BLOCK_SIZE),)
+    _catch_up_adamw_kernel[grid](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        last_step,
+        n,
+        step,
+        1.0 - lr * weight_decay,
+        math.log2(beta1),
+        math.log2(beta2),
+        beta1 / (1.0 - beta1),
+        lr / (1.0 - beta1**step),
+        1.0 - beta2**step,
+        eps,
+        BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+    )
