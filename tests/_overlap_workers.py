@@ -229,12 +229,16 @@ def drop_under_grad_scaler(rank, world_size, boom_at_by_rank):
 # ------------------------------------------------------------------ the DDP front door
 
 
-def _ddp_train(rank, model, hook, steps, start=0, accumulate=1, bucket_cap_mb=0.01):
-    """DDP with ``hook = (state, fn)`` registered (None: DDP's own all-reduce)."""
+def _ddp_train(rank, model, hook, steps, start=0, accumulate=1, bucket_cap_mb=0.01, optimizer=None):
+    """DDP with ``hook = (state, fn)`` registered (None: DDP's own all-reduce), stepped by
+    ``optimizer(params)`` (default SGD with momentum)."""
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     if hook is not None:
         ddp.register_comm_hook(*hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if optimizer is None:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = optimizer(ddp.parameters())
     for step in range(start, steps):
         for i in range(accumulate):
             context = ddp.no_sync() if i < accumulate - 1 else contextlib.nullcontext()
@@ -252,6 +256,18 @@ def ddp_hook_in_sync(rank, world_size, compressor, steps):
     state, hook = sparsecomm.ddp_comm_hook(compressor)
     _ddp_train(rank, model, (state, hook), steps, accumulate=2)
     return flat(model), state.last_bytes_sent, state.iteration
+
+
+def ddp_hook_catchup(rank, world_size, steps):
+    """DDP's hook with TopK behind sparsecomm.CatchUpAdamW: the parameters and, per
+    parameter, the smallest step at which a coordinate last received something."""
+    model = make_model()
+    hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1))
+    _, opt = _ddp_train(
+        rank, model, hook, steps, optimizer=lambda p: sparsecomm.CatchUpAdamW(p, lr=1e-2)
+    )
+    oldest = [int(s["last_step"].min()) for s in opt.state.values()]
+    return flat(model), oldest
 
 
 def ddp_hook_residual_buffers(rank, world_size, compressor, steps):

@@ -204,6 +204,15 @@ def test_ddp_hook_keeps_ranks_in_sync(compressor):
         assert bytes0 < dense_bytes
 
 
+def test_ddp_hook_with_catchup_adamw_keeps_ranks_in_sync():
+    start = w.flat(w.make_model())
+    (params0, oldest0), (params1, oldest1) = run_ranks(w.ddp_hook_catchup, 2, 6)
+    assert torch.equal(params0, params1), _diff(params0, params1)
+    assert not torch.equal(params0, start)
+    assert oldest0 == oldest1
+    assert min(oldest0) < 6  # some coordinates waited: the catch-up had bursts to take
+
+
 @pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.bfloat16)])
 def test_ddp_hook_keeps_one_residual_per_bucket_after_the_rebuild(compressor):
     # Before the fix every bucket after the first took its layout for a rebuild, split all
