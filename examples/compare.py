@@ -236,8 +236,15 @@ def plot(rows: list[tuple[str, dict, float]], path: Path, task: str = "digits") 
             finals = [s["final"] for _, s, _ in rows]
             axes.set_ylim(min(finals) - 0.1, max(finals) + 1.0)
         axes.grid(alpha=0.3)
-    by_step.legend(loc="lower right" if higher_better else "upper right", fontsize="small")
-    figure.tight_layout()
+    if len(rows) <= 10:
+        by_step.legend(loc="lower right" if higher_better else "upper right", fontsize="small")
+        figure.tight_layout()
+    else:  # more rows than fit over the curves: the legend goes below both plots
+        figure.set_size_inches(13, 5.5 + 0.2 * len(rows) / 2)
+        share = 0.2 * len(rows) / 2 / figure.get_size_inches()[1] + 0.03
+        handles, labels = by_step.get_legend_handles_labels()
+        figure.legend(handles, labels, loc="lower center", ncol=2, fontsize="small")
+        figure.tight_layout(rect=(0, share, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
