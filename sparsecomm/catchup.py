@@ -12,18 +12,22 @@ received something, 0 at the start), takes the ``tau`` AdamW steps it would have
 constant gradient ``g / tau``, at once:
 
     g' = g / tau
-    m <- beta1^tau * m + (1 - beta1^tau) * g'
-    v <- beta2^tau * v + (1 - beta2^tau) * g'^2
-    S  = sum over s = 1..tau of beta1^s * m_old + (1 - beta1^s) * g'
-       = m_old * c + g' * (tau - c),  c = beta1 (1 - beta1^tau) / (1 - beta1)
-    p <- p - lr * S / (1 - beta1^t) / (sqrt(v / (1 - beta2^t)) + eps)
+    m_s = beta1^s * m + (1 - beta1^s) * g'        the momentum after s of the tau steps
+    S   = sum over s = 1..tau of m_s / (1 - beta1^(last + s))
+        = tau * g' + (m - (1 - beta1^last) * g') * sum over s of beta1^s / (1 - beta1^(last + s))
+    m  <- m_tau
+    v  <- beta2^tau * v + (1 - beta2^tau) * g'^2
+    p  <- p - lr * S / (sqrt(v / (1 - beta2^t)) + eps)
 
-(``S``: the momenta of the ``tau`` steps, summed in closed form), with the new ``v`` and the
-bias corrections of step ``t`` standing for those of the ``tau`` steps. A coordinate whose
-gradient is zero is left alone (its moments and ``last`` too) but for the decoupled weight
-decay ``p <- p * (1 - lr * weight_decay)``, which every coordinate takes every step, as in
-AdamW. With ``tau = 1`` (a coordinate that receives something every step: dense exchange,
-``Cast``, the small parameters that travel dense, a dense warm-up) this is AdamW's update.
+``S`` is the sum of the ``tau`` steps' bias-corrected momenta, each with its own step's
+correction, as AdamW would have taken them (its second form is what runs: the geometric sum
+in closed form, the corrections' share term by term for the first ``MOMENTA_TERMS`` steps);
+the new ``v`` and step ``t``'s correction stand for the ``tau`` steps' second moments. A
+coordinate whose gradient is zero is left alone (its moments and ``last`` too) but for the
+decoupled weight decay ``p <- p * (1 - lr * weight_decay)``, which every coordinate takes
+every step, as in AdamW. With ``tau = 1`` (a coordinate that receives something every step:
+dense exchange, ``Cast``, the small parameters that travel dense, a dense warm-up) this is
+AdamW's update.
 
 Every rank receives the same average, so every rank's ``CatchUpAdamW`` takes the same steps:
 the ranks stay identical, and the optimizer state is one state, not one per rank (unlike
@@ -46,6 +50,11 @@ __all__ = ["CatchUpAdamW"]
 
 #: Set once the Triton kernel failed (it did not compile here): torch ops from then on.
 _kernel_failed = False
+
+#: Steps after a coordinate's previous receipt whose bias corrections enter its momenta term
+#: by term (see ``_momenta_weights``); beyond, they are 1 to within beta1^(2 * this). The
+#: Triton kernel uses the same number.
+MOMENTA_TERMS = _kernel.MOMENTA_TERMS
 
 _CHUNK = 1 << 18  # elements per chunk of the CPU pass over every coordinate (1 MiB of float32)
 
@@ -233,13 +242,44 @@ def _catch_up(g, exp_avg, exp_avg_sq, last_step, step, lr, betas, eps):
     tau = (step - last_step).float()  # >= 1: last_step is at most step - 1
     g = g / tau
     # beta ** tau as exp2(tau * log2(beta)): within an ulp, and on a CPU 8x faster than pow
-    decay1 = torch.exp2(tau * math.log2(beta1)) if beta1 > 0 else (tau == 0).float()
-    decay2 = torch.exp2(tau * math.log2(beta2)) if beta2 > 0 else (tau == 0).float()
-    # The momenta of the tau steps, summed: m * c + g * (tau - c).
-    c = (1.0 - decay1).mul_(beta1 / (1.0 - beta1))
-    momenta = torch.addcmul(exp_avg * c, g, tau.sub_(c))
+    decay1 = _power(beta1, tau)
+    decay2 = _power(beta2, tau)
+    weights = _momenta_weights(beta1, tau, last_step.float(), decay1, g.is_cuda)
+    # The bias-corrected momenta of the tau steps, summed.
+    momenta = torch.addcmul(
+        tau * g, exp_avg - (1.0 - _power(beta1, last_step.float())) * g, weights
+    )
     new_avg = torch.lerp(exp_avg, g, 1.0 - decay1)
     new_avg_sq = torch.lerp(exp_avg_sq, g * g, decay2.neg_().add_(1.0))
     denom = new_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps)
-    update = momenta.div_(denom).mul_(lr / (1.0 - beta1**step))
-    return update, new_avg, new_avg_sq
+    return momenta.div_(denom).mul_(lr), new_avg, new_avg_sq
+
+
+def _power(beta: float, exponent: torch.Tensor) -> torch.Tensor:
+    """``beta ** exponent`` for exponents >= 0 (``0 ** 0`` is 1)."""
+    if beta > 0:
+        return torch.exp2(exponent * math.log2(beta))
+    return (exponent == 0).float()
+
+
+def _momenta_weights(beta1, tau, last, decay1, on_cuda: bool) -> torch.Tensor:
+    """``sum over k = 1..tau of beta1^k / (1 - beta1^(last + k))``: the weight of the old
+    momentum's bias-corrected excess in the momenta of the tau steps. The geometric sum in
+    closed form, plus the bias corrections' share term by term for the first
+    ``min(tau, MOMENTA_TERMS)`` steps (later terms are below ``beta1^(2 MOMENTA_TERMS)``):
+    as many as the longest wait needs, read on a CPU; all of them on CUDA (no host sync)."""
+    weights = (1.0 - decay1).mul_(beta1 / (1.0 - beta1)) if beta1 > 0 else torch.zeros_like(tau)
+    if beta1 == 0:
+        return weights
+    if on_cuda:
+        terms = MOMENTA_TERMS  # (the kernel reads the longest wait per block itself)
+    else:
+        terms = int(min(tau.max().item(), MOMENTA_TERMS)) if tau.numel() else 0
+    x = _power(beta1, last)  # beta1^(last + k) as k goes
+    bk = 1.0
+    for k in range(1, terms + 1):
+        x = x * beta1
+        bk *= beta1
+        share = (bk * x) / (1.0 - x)  # beta1^k (1 / (1 - beta1^(last + k)) - 1)
+        weights += torch.where(tau >= k, share, torch.zeros_like(share))
+    return weights

@@ -15,8 +15,9 @@ BETAS = (0.9, 0.999)
 
 
 def reference_steps(param, grads, lr, betas, eps, weight_decay):
-    """CatchUpAdamW on one flat float64 parameter, coordinate by coordinate, summing the
-    momenta of the tau steps in a loop (the module's closed form is what is checked)."""
+    """CatchUpAdamW on one flat float64 parameter, coordinate by coordinate, stepping the
+    momentum through the tau steps one by one and summing its bias-corrected values (the
+    module's closed form is what is checked)."""
     beta1, beta2 = betas
     p = [float(x) for x in param]
     m, v, last = [0.0] * len(p), [0.0] * len(p), [0] * len(p)
@@ -27,13 +28,13 @@ def reference_steps(param, grads, lr, betas, eps, weight_decay):
                 continue
             tau = t - last[i]
             g /= tau
-            momenta, mi = 0.0, m[i]
-            for s in range(1, tau + 1):
-                momenta += beta1**s * mi + (1.0 - beta1**s) * g
-            m[i] = beta1**tau * mi + (1.0 - beta1**tau) * g
+            momenta = 0.0
+            for s in range(last[i] + 1, t + 1):  # AdamW's momentum, bias-corrected, each step
+                m[i] = beta1 * m[i] + (1.0 - beta1) * g
+                momenta += m[i] / (1.0 - beta1**s)
             v[i] = beta2**tau * v[i] + (1.0 - beta2**tau) * g * g
             denom = math.sqrt(v[i] / (1.0 - beta2**t)) + eps
-            p[i] -= lr * momenta / (1.0 - beta1**t) / denom
+            p[i] -= lr * momenta / denom
             last[i] = t
     return torch.tensor(p, dtype=torch.float64)
 
@@ -65,10 +66,11 @@ def test_with_a_gradient_everywhere_every_step_it_is_adamw():
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
 def test_bursts_match_the_tau_steps_summed_one_by_one(weight_decay):
     gen = torch.Generator().manual_seed(1)
-    numel, steps = 64, 30
+    numel, steps = 64, 150
     # Each coordinate receives at its own rate (every step to every 13th), as top-k with
     # error feedback delivers it, with bursts of every sign and size.
     every = torch.randint(1, 14, (numel,), generator=gen)
+    every[:4] = torch.tensor([1, 70, 100, 200])  # waits longer than MOMENTA_TERMS too
     phase = torch.randint(0, 13, (numel,), generator=gen)
     grads = []
     for t in range(1, steps + 1):
@@ -251,3 +253,15 @@ def test_the_step_benchmark_prints_its_table():
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |")]
     rows += [line for line in result.stdout.splitlines() if line.startswith("| 0.1 |")]
     assert len(rows) == 2 and all(len(row.split("|")) == 7 for row in rows), result.stdout
+
+
+@pytest.mark.parametrize("tau", [1, 2, 7, 100])
+def test_a_first_burst_moves_as_far_as_the_adamw_steps_it_stands_for(tau):
+    # From a fresh state AdamW's bias-corrected momentum is the gradient itself at every step,
+    # so tau steps of g move a coordinate tau * lr; the catch-up of the burst tau * g must too.
+    param = torch.zeros(2, requires_grad=True)
+    opt = sparsecomm.CatchUpAdamW([param], lr=0.01, eps=0.0, weight_decay=0.0)
+    for step in range(1, tau + 1):
+        param.grad = torch.tensor([0.0, 0.5]) if step < tau else torch.tensor([3.0 * tau, 0.5])
+        opt.step()
+    torch.testing.assert_close(param[0].detach(), torch.tensor(-0.01 * tau), rtol=1e-5, atol=0)

@@ -17,6 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Steps after a coordinate's previous receipt whose bias corrections enter its momenta term by
+# term (sparsecomm.catchup.MOMENTA_TERMS, which the torch ops use).
+MOMENTA_TERMS = 64
+
 BLOCK_SIZE = 2048  # elements per program; an elementwise pass, 8 per thread with 8 warps
 NUM_WARPS = 8
 
@@ -33,10 +37,12 @@ def _catch_up_adamw_kernel(
     decay,
     log2_beta1,
     log2_beta2,
+    beta1,
     momenta_ratio,
-    step_size,
+    lr,
     bias_correction2,
     eps,
+    MOMENTA_TERMS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -55,12 +61,24 @@ def _catch_up_adamw_kernel(
     g = g / tau
     decay1 = tl.exp2(tau * log2_beta1)
     decay2 = tl.exp2(tau * log2_beta2)
-    c = (1.0 - decay1) * momenta_ratio
-    momenta = m * c + g * (tau - c)
+    # The weight of the old momentum's bias-corrected excess in the tau steps' momenta: the
+    # geometric sum, plus the bias corrections' share for the first MOMENTA_TERMS steps
+    # (as many as this block's longest wait needs).
+    weights = (1.0 - decay1) * momenta_ratio
+    old = last.to(tl.float32)
+    x = tl.exp2(old * log2_beta1)
+    excess = m - (1.0 - x) * g
+    terms = tl.max(tl.where(touch, tl.minimum(tau, MOMENTA_TERMS), 0.0), axis=0).to(tl.int32)
+    bk = 1.0
+    for k in range(1, terms + 1):
+        x = x * beta1
+        bk = bk * beta1
+        weights += tl.where(tau >= k, (bk * x) / (1.0 - x), 0.0)
+    momenta = tau * g + excess * weights
     new_m = m + (1.0 - decay1) * (g - m)
     new_v = v + (1.0 - decay2) * (g * g - v)
     denom = tl.sqrt(new_v / bias_correction2) + eps
-    work = tl.where(received, work - momenta / denom * step_size, work)
+    work = tl.where(received, work - momenta / denom * lr, work)
     tl.store(param_ptr + offsets, work.to(p.dtype), mask=in_bounds)
     tl.store(avg_ptr + offsets, new_m, mask=touch)
     tl.store(avg_sq_ptr + offsets, new_v, mask=touch)
@@ -122,10 +140,12 @@ def catch_up_adamw(
         1.0 - lr * weight_decay,
         math.log2(beta1),
         math.log2(beta2),
+        beta1,
         beta1 / (1.0 - beta1),
-        lr / (1.0 - beta1**step),
+        lr,
         1.0 - beta2**step,
         eps,
+        MOMENTA_TERMS=MOMENTA_TERMS,
         BLOCK_SIZE=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
