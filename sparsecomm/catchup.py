@@ -21,7 +21,9 @@ constant gradient ``g / tau``, at once:
 
 ``S`` is the sum of the ``tau`` steps' bias-corrected momenta, each with its own step's
 correction, as AdamW would have taken them (its second form is what runs: the geometric sum
-in closed form, the corrections' share term by term for the first ``MOMENTA_TERMS`` steps);
+in closed form, the corrections' share term by term for the first ``MOMENTA_TERMS`` = 64
+steps, for a coordinate last received before step 64: later, the corrections are 1 to
+within ``beta1^64``);
 the new ``v`` and step ``t``'s correction stand for the ``tau`` steps' second moments. A
 coordinate whose gradient is zero is left alone (its moments and ``last`` too) but for the
 decoupled weight decay ``p <- p * (1 - lr * weight_decay)``, which every coordinate takes
@@ -52,8 +54,8 @@ __all__ = ["CatchUpAdamW"]
 _kernel_failed = False
 
 #: Steps after a coordinate's previous receipt whose bias corrections enter its momenta term
-#: by term (see ``_momenta_weights``); beyond, they are 1 to within beta1^(2 * this). The
-#: Triton kernel uses the same number.
+#: by term, for a coordinate last received before this step (see ``_momenta_weights``); the
+#: others are 1 to within beta1^this. The Triton kernel uses the same number.
 MOMENTA_TERMS = _kernel.MOMENTA_TERMS
 
 _CHUNK = 1 << 18  # elements per chunk of the CPU pass over every coordinate (1 MiB of float32)
@@ -244,11 +246,14 @@ def _catch_up(g, exp_avg, exp_avg_sq, last_step, step, lr, betas, eps):
     # beta ** tau as exp2(tau * log2(beta)): within an ulp, and on a CPU 8x faster than pow
     decay1 = _power(beta1, tau)
     decay2 = _power(beta2, tau)
-    weights = _momenta_weights(beta1, tau, last_step.float(), decay1, g.is_cuda)
+    last = last_step.float()
+    # beta1^last, 1 minus the old momentum's bias correction, for a coordinate last received
+    # before step MOMENTA_TERMS; a later one's corrections are taken as 1 (beta1^last as 0)
+    young = last < MOMENTA_TERMS
+    start = torch.where(young, _power(beta1, last), torch.zeros_like(last))
+    weights = _momenta_weights(beta1, tau, young, start, decay1, g.is_cuda)
     # The bias-corrected momenta of the tau steps, summed.
-    momenta = torch.addcmul(
-        tau * g, exp_avg - (1.0 - _power(beta1, last_step.float())) * g, weights
-    )
+    momenta = torch.addcmul(tau * g, exp_avg - (1.0 - start) * g, weights)
     new_avg = torch.lerp(exp_avg, g, 1.0 - decay1)
     new_avg_sq = torch.lerp(exp_avg_sq, g * g, decay2.neg_().add_(1.0))
     denom = new_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps)
@@ -262,24 +267,28 @@ def _power(beta: float, exponent: torch.Tensor) -> torch.Tensor:
     return (exponent == 0).float()
 
 
-def _momenta_weights(beta1, tau, last, decay1, on_cuda: bool) -> torch.Tensor:
+def _momenta_weights(beta1, tau, young, start, decay1, on_cuda: bool) -> torch.Tensor:
     """``sum over k = 1..tau of beta1^k / (1 - beta1^(last + k))``: the weight of the old
     momentum's bias-corrected excess in the momenta of the tau steps. The geometric sum in
-    closed form, plus the bias corrections' share term by term for the first
-    ``min(tau, MOMENTA_TERMS)`` steps (later terms are below ``beta1^(2 MOMENTA_TERMS)``):
-    as many as the longest wait needs, read on a CPU; all of them on CUDA (no host sync)."""
+    closed form, plus, for a coordinate last received before step ``MOMENTA_TERMS``, the bias
+    corrections' share term by term for the first ``min(tau, MOMENTA_TERMS)`` steps (later
+    terms are below ``beta1^(2 MOMENTA_TERMS)``): as many as the longest wait needs, read on
+    a CPU; all of them on CUDA (no host sync)."""
     weights = (1.0 - decay1).mul_(beta1 / (1.0 - beta1)) if beta1 > 0 else torch.zeros_like(tau)
     if beta1 == 0:
         return weights
+    # Only a coordinate last received within the first MOMENTA_TERMS steps has corrections
+    # that matter: later, 1 - beta1^(last + k) is 1 to within beta1^MOMENTA_TERMS.
+    wait = torch.where(young, tau.clamp(max=MOMENTA_TERMS), torch.zeros_like(tau))
     if on_cuda:
         terms = MOMENTA_TERMS  # (the kernel reads the longest wait per block itself)
     else:
-        terms = int(min(tau.max().item(), MOMENTA_TERMS)) if tau.numel() else 0
-    x = _power(beta1, last)  # beta1^(last + k) as k goes
+        terms = int(wait.max().item()) if wait.numel() else 0
+    x = start  # beta1^(last + k) as k goes
     bk = 1.0
     for k in range(1, terms + 1):
         x = x * beta1
         bk *= beta1
         share = (bk * x) / (1.0 - x)  # beta1^k (1 / (1 - beta1^(last + k)) - 1)
-        weights += torch.where(tau >= k, share, torch.zeros_like(share))
+        weights += torch.where(wait >= k, share, torch.zeros_like(share))
     return weights

@@ -28,10 +28,20 @@ def reference_steps(param, grads, lr, betas, eps, weight_decay):
                 continue
             tau = t - last[i]
             g /= tau
-            momenta = 0.0
-            for s in range(last[i] + 1, t + 1):  # AdamW's momentum, bias-corrected, each step
+            # AdamW's momentum through the tau steps, each divided by its own step's bias
+            # correction; for a coordinate last received at step 64 or later the corrections
+            # are taken as 1 (they are, to within 0.9^64), and so are they in the
+            # denominator past the 64th step of a wait
+            momenta, m0 = 0.0, m[i]
+            young = last[i] < 64
+            for k in range(1, tau + 1):
                 m[i] = beta1 * m[i] + (1.0 - beta1) * g
-                momenta += m[i] / (1.0 - beta1**s)
+                if not young:
+                    momenta += m[i]
+                elif k <= 64:
+                    momenta += m[i] / (1.0 - beta1 ** (last[i] + k))
+                else:
+                    momenta += g + beta1**k * (m0 - (1.0 - beta1 ** last[i]) * g)
             v[i] = beta2**tau * v[i] + (1.0 - beta2**tau) * g * g
             denom = math.sqrt(v[i] / (1.0 - beta2**t)) + eps
             p[i] -= lr * momenta / denom

@@ -62,18 +62,21 @@ def _catch_up_adamw_kernel(
     decay1 = tl.exp2(tau * log2_beta1)
     decay2 = tl.exp2(tau * log2_beta2)
     # The weight of the old momentum's bias-corrected excess in the tau steps' momenta: the
-    # geometric sum, plus the bias corrections' share for the first MOMENTA_TERMS steps
-    # (as many as this block's longest wait needs).
+    # geometric sum, plus the bias corrections' share for the first MOMENTA_TERMS steps (as
+    # many as this block's longest wait needs).
     weights = (1.0 - decay1) * momenta_ratio
-    old = last.to(tl.float32)
-    x = tl.exp2(old * log2_beta1)
+    young = touch & (last < MOMENTA_TERMS)
+    x = tl.where(young, tl.exp2(last.to(tl.float32) * log2_beta1), 0.0)
     excess = m - (1.0 - x) * g
-    terms = tl.max(tl.where(touch, tl.minimum(tau, MOMENTA_TERMS), 0.0), axis=0).to(tl.int32)
+    # (only for a coordinate last received before step MOMENTA_TERMS: later ones' corrections
+    # are 1 to within beta1^MOMENTA_TERMS, and late in training the loop runs no turn)
+    wait = tl.where(young, tl.minimum(tau, MOMENTA_TERMS), 0.0)
+    terms = tl.max(wait, axis=0).to(tl.int32)
     bk = 1.0
     for k in range(1, terms + 1):
         x = x * beta1
         bk = bk * beta1
-        weights += tl.where(tau >= k, (bk * x) / (1.0 - x), 0.0)
+        weights += tl.where(wait >= k, (bk * x) / (1.0 - x), 0.0)
     momenta = tau * g + excess * weights
     new_m = m + (1.0 - decay1) * (g - m)
     new_v = v + (1.0 - decay2) * (g * g - v)
