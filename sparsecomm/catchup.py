@@ -47,6 +47,7 @@ import torch
 
 from . import _ops
 from .triton_kernels import catchup as _kernel
+from .triton_kernels._cpu import CHUNK
 
 __all__ = ["CatchUpAdamW"]
 
@@ -57,8 +58,6 @@ _kernel_failed = False
 #: by term, for a coordinate last received before this step (see ``_momenta_weights``); the
 #: others are 1 to within beta1^this. The Triton kernel uses the same number.
 MOMENTA_TERMS = _kernel.MOMENTA_TERMS
-
-_CHUNK = 1 << 18  # elements per chunk of the CPU pass over every coordinate (1 MiB of float32)
 
 
 class CatchUpAdamW(torch.optim.Optimizer):
@@ -190,8 +189,8 @@ def catch_up_adamw_(
                 RuntimeWarning,
                 stacklevel=3,
             )
-    contiguous = param.dtype == torch.float32 and param.is_contiguous()
-    work = param if contiguous else param.float().contiguous()
+    in_place = param.dtype == torch.float32 and param.is_contiguous()
+    work = param if in_place else param.float().contiguous()
     flat = [t.detach().view(-1) for t in (work, exp_avg, exp_avg_sq, last_step)]
     flat.insert(0, grad.detach().float().reshape(-1))
     hyper = step, lr, betas, eps
@@ -199,10 +198,10 @@ def catch_up_adamw_(
     if grad.is_cuda:
         _catch_up_all(*flat, *hyper)
     elif not _catch_up_few(*flat, *hyper):
-        # In chunks whose temporaries stay in cache (whole-tensor temporaries are fresh
-        # pages on every op: several times slower on a CPU).
-        for start in range(0, flat[0].numel(), _CHUNK):
-            _catch_up_all(*(t[start : start + _CHUNK] for t in flat), *hyper)
+        # In the CPU paths' chunks, whose temporaries stay in cache (whole-tensor temporaries
+        # are fresh pages on every op: several times slower on a CPU).
+        for start in range(0, flat[0].numel(), CHUNK):
+            _catch_up_all(*(t[start : start + CHUNK] for t in flat), *hyper)
     if work is not param:
         param.copy_(work)
 
