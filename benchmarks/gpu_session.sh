@@ -9,7 +9,8 @@
 #   step() overhead           cap  60 s  bench_overhead.py at n = 1e7 and 1e8
 #   kernel benchmarks         cap 190 s  bench_kernels.py, its own budget set from the time left
 #   top-k breakdown           cap  90 s  bench_topk.py (EF loop, per-kernel profile, tile sweep)
-#   training quality          cap  90 s  quality_gpt.py: GPT loss under AdamW, dense vs recipes
+#   CatchUpAdamW step         cap  60 s  bench_catchup.py: its kernel against torch's AdamW
+#   training quality          cap 150 s  quality_gpt.py: GPT loss under AdamW, dense vs recipes
 #
 # A part's timeout is its cap or the time left of SESSION_BUDGET_S (default 520 s), whichever
 # is less; a part with less left than it needs is skipped, a failing one is reported and the
@@ -17,6 +18,7 @@
 # markdown (bench_gpt.md, bench_step.md, bench_overhead.md, bench_kernels.md), and
 # session.txt with each part's status and time; the end of stdout repeats the tables.
 # SKIP="bench_kernels bench_topk quality_gpt" leaves out the parts writing those logs.
+# QUALITY_RECIPES="dense,topk-catchup-warmup" picks quality_gpt.py's recipes (default: all).
 # TOPK_BASELINE=path/to/topk.py also times that version of the top-k module beside this one.
 # SMOKE=1 runs every part at tiny sizes (on a CPU: a test of this script, not a measurement).
 #
@@ -85,10 +87,11 @@ if [[ $SMOKE == 1 ]]; then
   OVERHEAD_ARGS=(--sizes 1e4,1e5)
   QUALITY_ARGS=(--layers 1 --d-model 32 --heads 2 --vocab 64 --context 16 --batch 2
                 --steps 4 --warmup 2)
+  CATCHUP_ARGS=(--device cpu --scale 0.02 --steps 1)
   KERNEL_ENV=(env BENCH_DEVICE=cpu TRITON_INTERPRET=1 BENCH_SIZES=1e4 BENCH_SWEEP=0)
 else
   # GPU_TESTS="tests/test_gpu.py ..." runs those instead (e.g. when no kernel changed).
-  read -r -a TESTS <<< "${GPU_TESTS:-$(echo tests/test_kernel_*.py) tests/test_compressors.py tests/test_gpu.py}"
+  read -r -a TESTS <<< "${GPU_TESTS:-$(echo tests/test_kernel_*.py) tests/test_compressors.py tests/test_catchup.py tests/test_gpu.py}"
   # ~40 ms steps: 8 rows built at once (~30 GiB), 8 interleaved rounds of 10 steps per
   # row ~ 30 s of steps, plus builds, the kernel counts and the profile=True steps; no
   # round starts after 140 s.
@@ -97,6 +100,7 @@ else
                --interleave 6 --budget-s 55)
   OVERHEAD_ARGS=(--sizes 1e7,1e8)
   QUALITY_ARGS=(--steps 100 --warmup 20)
+  CATCHUP_ARGS=()
   # PROFILE="--model gpt --variants DDP,TopK(0.01) --cprofile" profiles other rows instead.
   read -r -a PROFILE_ARGS <<< "${PROFILE:---model linear --params 1e9 --variants DDP,TopK(0.01) --warmup 3 --steps 2}"
   KERNEL_ENV=(env)
@@ -150,9 +154,12 @@ run_part "top-k: EF loop, per-kernel profile, tile sweep" 90 45 bench_topk.txt 1
   python3 benchmarks/bench_topk.py --no-reference --profile --sweep \
   ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"}
 
-run_part "training quality (GPT, AdamW)" 90 30 quality_gpt.log 12 \
+run_part "CatchUpAdamW step against AdamW" 60 20 bench_catchup.txt 12 \
+  python3 benchmarks/bench_catchup.py "${CATCHUP_ARGS[@]}"
+
+run_part "training quality (GPT, AdamW)" 150 30 quality_gpt.log 12 \
   torchrun --standalone --nproc_per_node=1 benchmarks/quality_gpt.py \
-  "${QUALITY_ARGS[@]}" --out "$OUT/quality_gpt.md"
+  "${QUALITY_ARGS[@]}" ${QUALITY_RECIPES:+--recipes "$QUALITY_RECIPES"} --out "$OUT/quality_gpt.md"
 
 echo
 echo "== summary [$(stamp)]"

@@ -87,6 +87,13 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         help="gradients: average gradients, then step; updates: each rank steps on its own "
         "gradient and the updates are compressed and averaged",
     )
+    add(
+        "--select",
+        choices=("magnitude", "adam"),
+        default="magnitude",
+        help="TopK's choice: the largest |grad + residual|, or the largest in Adam's units, "
+        "|grad + residual| / (sqrt(v) + eps) (needs --optimizer adamw or catchup-adamw)",
+    )
     add("--threshold", type=float, default=1e-3, help="Threshold magnitude")
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
@@ -162,6 +169,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--momentum-correction works on gradients, not with --exchange updates")
     if args.momentum_correction and args.optimizer != "sgd":
         parser.error("--momentum-correction is SGD momentum: it needs --optimizer sgd")
+    if args.select == "adam" and (args.optimizer == "sgd" or args.exchange == "updates"):
+        parser.error(
+            "--select adam reads the optimizer's second moment: it needs --optimizer adamw or "
+            "catchup-adamw, and --exchange gradients"
+        )
 
 
 # --------------------------------------------------------------------------- distributed
@@ -213,6 +225,7 @@ def make_compressor(args: argparse.Namespace) -> sparsecomm.Compressor:
             warmup_steps=args.density_warmup,
             warmup=args.density_warmup_shape,
             warmup_start=max(args.density_warmup_start, args.density),
+            select=args.select,
         )
     return sparsecomm.Threshold(args.threshold)
 
@@ -306,6 +319,8 @@ def _config_for_resume(args: argparse.Namespace, world_size: int) -> dict:
     config["density" if args.compressor == "topk" else "threshold"] = (
         args.density if args.compressor == "topk" else args.threshold
     )
+    if getattr(args, "select", "magnitude") != "magnitude":  # (absent from older checkpoints)
+        config["select"] = args.select
     config["world_size"] = world_size
     return config
 

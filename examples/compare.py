@@ -4,10 +4,12 @@
 Cast(bf16), TopK with and without error feedback, TopK with a density warm-up, TopK with
 DGC momentum correction and Threshold. ``--task charlm`` runs ``train_charlm.py`` (AdamW)
 for dense fp32 and the AdamW recipes: TopK into AdamW as it is, with the exponential density
-warm-up, with a dense warm-up, with ``exchange="updates"`` and with ``CatchUpAdamW`` in
-place of AdamW (each alone and with either warm-up). Each TopK run is repeated for every
-``--density``. All runs use torchrun (2 ranks by default) with the same seed and flags, and
-write to the output directory (default ``runs/compare/``):
+warm-up, with a dense warm-up, with ``exchange="updates"``, with ``CatchUpAdamW`` in
+place of AdamW (each alone and with either warm-up), and with ``TopK(select="adam")``
+(the choice in Adam's units) under the exponential warm-up, with AdamW and CatchUpAdamW.
+Each TopK run is repeated for every ``--density``. All runs use torchrun (2 ranks by
+default) with the same seed and flags, and write to the output directory (default
+``runs/compare/``):
 
 - ``compare.png`` / ``charlm.png``: the metric against step and against megabytes sent
   (rank 0);
@@ -58,6 +60,7 @@ def run_specs(
     exp = ["--density-warmup", str(warmup)]
     dense = [*exp, "--density-warmup-shape", "dense"]
     catchup = ["--optimizer", "catchup-adamw"]
+    adam = ["--select", "adam"]  # TopK(select="adam")
     if task == "digits":
         variants = [
             ("topk-ef", "+ EF", []),
@@ -95,6 +98,16 @@ def run_specs(
                 "topk-catchup-dense-warmup",
                 f"+ EF, CatchUpAdamW, dense warm-up {warmup} (e+c)",
                 [*catchup, *dense],
+            ),
+            (
+                "topk-adam-warmup",
+                f"+ EF, Adam-scaled choice, exp. warm-up {warmup} (b+s)",
+                [*exp, *adam],
+            ),
+            (
+                "topk-catchup-adam-warmup",
+                f"+ EF, CatchUpAdamW, Adam-scaled choice, exp. warm-up {warmup} (e+b+s)",
+                [*catchup, *exp, *adam],
             ),
         ]
     for density in densities:

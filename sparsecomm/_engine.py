@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -417,11 +418,15 @@ class BucketEngine:
         comm: Communicator,
         momentum: float | None = None,
         cuda_graphs: bool = True,
+        adam_state: Callable[[torch.Tensor], tuple[torch.Tensor, float] | None] | None = None,
     ):
         self.buckets = buckets
         self.compressor = compressor
         self.comm = comm
         self.momentum = momentum
+        #: For ``TopK(select="adam")``: a parameter's ``(exp_avg_sq, eps)`` in the wrapped
+        #: optimizer, or None before it has any (:meth:`_score`).
+        self.adam_state = adam_state
         #: Steps taken so far: the compressor's schedule reads it (``Compressor.at_step``).
         self.step = 0
         #: CUDA graphs of the compression (None: never; see :class:`CompressGraphs`).
@@ -667,7 +672,9 @@ class BucketEngine:
             # next_velocity (kept until finish); u itself stays as it was.
             bucket.grad_buffer.add_(bucket.velocity, alpha=self.momentum)
             bucket.next_velocity.copy_(bucket.grad_buffer)
-        if bucket.accumulates:  # the sum is in grad_buffer already (accumulate)
+        if compressor.selects_by_adam:
+            message = self._compress_scored(bucket, compressor)
+        elif bucket.accumulates:  # the sum is in grad_buffer already (accumulate)
             message = compressor.compress_accumulated(bucket.grad_buffer, self.comm.world_size)
         else:
             message = self._compress(bucket, compressor)
@@ -688,6 +695,33 @@ class BucketEngine:
         return self.graphs.compress(
             compressor, source, target, self.comm.world_size, signature, self.next_launch
         )
+
+    def _compress_scored(self, bucket: Bucket, compressor: Compressor) -> Message:
+        """``TopK(select="adam")``: ``acc = grad + residual`` in the gradient buffer (the
+        old residual stays as it was, as :meth:`_compress` leaves it), then the k largest
+        of ``|acc| / (sqrt(v) + eps)`` are sent (:meth:`~sparsecomm.TopK.compress_scored`)
+        and zeroed there, leaving the new residual."""
+        acc = bucket.grad_buffer
+        if bucket.residual is not None and not bucket.accumulates:
+            acc.add_(bucket.residual)
+        return compressor.compress_scored(acc, self._score(bucket, acc), self.comm.world_size)
+
+    def _score(self, bucket: Bucket, acc: torch.Tensor) -> torch.Tensor:
+        """``|acc| / (sqrt(v) + eps)`` per member, with its optimizer's ``v`` and ``eps``;
+        ``|acc|`` for a member without them yet (before the optimizer's first step)."""
+        score = acc.abs()
+        views, variances, eps = [], [], []
+        for member, param in enumerate(bucket.params):
+            state = self.adam_state(param)
+            if state is not None:
+                views.append(bucket.view(score, member))
+                variances.append(state[0].float())
+                eps.append(state[1])
+        if views:
+            divisors = torch._foreach_sqrt(variances)
+            torch._foreach_add_(divisors, eps)
+            torch._foreach_div_(views, divisors)
+        return score
 
     # ---------------------------------------------------------------- finish
 

@@ -62,7 +62,7 @@ def topk_compress(grad, residual, k, addresses=None):
     return impl(grad, residual, k)  # (addresses: only the kernels read buffers through it)
 
 
-def _zero_sent(acc, indices, count=None) -> None:
+def zero_sent(acc, indices, count=None) -> None:
     """What ``accumulated=True`` does inside the CPU paths, for the other implementations:
     zero the sent elements of ``acc``, leaving the new residual there."""
     sent = indices if count is None else indices[: int(count)]
@@ -76,7 +76,7 @@ def topk_compress_accumulated(acc, k):
     if impl is _topk.topk_compress_cpu:
         return impl(acc, None, k, accumulated=True)
     indices, values = impl(acc, None, k)
-    _zero_sent(acc, indices)
+    zero_sent(acc, indices)
     return indices, values
 
 
@@ -92,7 +92,7 @@ def threshold_compress_accumulated(acc, threshold_value):
     if impl is _threshold.threshold_compress_cpu:
         return impl(acc, None, threshold_value, accumulated=True)
     indices, values, count = impl(acc, None, threshold_value)
-    _zero_sent(acc, indices, count)
+    zero_sent(acc, indices, count)
     return indices, values, count
 
 

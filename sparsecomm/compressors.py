@@ -150,6 +150,9 @@ class Compressor:
 
     #: Whether the compressor leaves anything unsent (so error feedback has work to do).
     keeps_residual = True
+    #: Whether it chooses what to send by the wrapped Adam's scale (``TopK(select="adam")``):
+    #: the engine then scores each bucket and calls ``compress_scored``.
+    selects_by_adam = False
 
     def compress(
         self, grad: torch.Tensor, residual: torch.Tensor | None, world_size: int
@@ -511,12 +514,29 @@ class TopK(_Sparse):
     :class:`sparsecomm.CompressedOptimizer` keeps in its ``state_dict``, so every rank
     follows the same schedule without a collective, and a resumed run continues it.
 
+    Which k are sent is ``select``:
+
+    - ``"magnitude"`` (the default): the k largest ``|acc|``, ``acc = grad + residual``.
+    - ``"adam"``: the k largest ``|acc| / (sqrt(v) + eps)``, ``v`` and ``eps`` the wrapped
+      Adam-family optimizer's ``exp_avg_sq`` and ``eps``: the coordinates Adam would move
+      furthest with what they hold, measured in Adam's own units. Magnitudes differ by
+      orders between layers, while Adam moves every coordinate about ``lr`` a step, so by
+      magnitude the small-gradient layers wait longest; by Adam's scale they take their
+      turn. The values sent are still ``acc`` as it is (conservation and rank agreement
+      are unchanged); only the choice of coordinates differs. Before the optimizer's
+      first step (no ``v`` yet) it selects by magnitude; a coordinate whose ``v`` is 0
+      (never stepped on) counts ``1 / eps`` times its magnitude. Needs
+      :class:`sparsecomm.CompressedOptimizer` around Adam, AdamW or
+      :class:`sparsecomm.CatchUpAdamW`, with ``exchange="gradients"``; see
+      ``docs/adam_selection.md`` for the measurements.
+
     Args:
         density: the fraction of elements sent, in ``(0, 1]``. ``TopK(1.0)`` sends everything.
         warmup_steps: steps of warm-up (default 0: ``density`` from the first step).
         warmup: the warm-up's shape, ``"exponential"`` or ``"dense"``.
         warmup_start: the density of the first exponential warm-up step, in ``[density,
             1]`` (default 0.25, DGC's first stage).
+        select: ``"magnitude"`` or ``"adam"``, as above.
 
     Example:
         >>> sparsecomm.TopK(density=0.01)
@@ -526,6 +546,7 @@ class TopK(_Sparse):
     """
 
     WARMUP_SHAPES = ("exponential", "dense")
+    SELECTIONS = ("magnitude", "adam")
 
     def __init__(
         self,
@@ -534,6 +555,7 @@ class TopK(_Sparse):
         warmup_steps: int = 0,
         warmup: str = "exponential",
         warmup_start: float = 0.25,
+        select: str = "magnitude",
     ):
         _require_real(density, "TopK(density=...)", "TopK(density=0.01) sends 1%")
         if not (0 < density <= 1):
@@ -557,7 +579,14 @@ class TopK(_Sparse):
                 f"TopK(warmup_start={warmup_start}) is invalid: the warm-up starts at a density "
                 f"in [density, 1] = [{density}, 1] and decays to density"
             )
+        if select not in self.SELECTIONS:
+            raise ValueError(
+                f"TopK(select={select!r}) is invalid: it is 'magnitude' (the largest "
+                "|grad + residual|) or 'adam' (the largest |grad + residual| / (sqrt(v) + eps) "
+                "of the wrapped Adam or AdamW)"
+            )
         self.density = float(density)
+        self.select = select
         self.warmup_steps = warmup_steps
         self.warmup = warmup
         self.warmup_start = float(warmup_start)
@@ -565,6 +594,8 @@ class TopK(_Sparse):
 
     def config(self):
         config = {"name": "TopK", "density": self.density}
+        if self.select != "magnitude":
+            config["select"] = self.select
         if self.warmup_steps:
             config.update(
                 warmup_steps=self.warmup_steps, warmup=self.warmup, warmup_start=self.warmup_start
@@ -572,10 +603,11 @@ class TopK(_Sparse):
         return config
 
     def __repr__(self):
+        select = "" if self.select == "magnitude" else f", select={self.select!r}"
         if not self.warmup_steps:
-            return f"TopK(density={self.density})"
+            return f"TopK(density={self.density}{select})"
         shape = "warmup='dense'" if self.warmup == "dense" else f"warmup_start={self.warmup_start}"
-        return f"TopK(density={self.density}, warmup_steps={self.warmup_steps}, {shape})"
+        return f"TopK(density={self.density}, warmup_steps={self.warmup_steps}, {shape}{select})"
 
     def density_at(self, step: int) -> float:
         """The density of 0-based ``step`` (``density`` once the warm-up is over)."""
@@ -592,7 +624,7 @@ class TopK(_Sparse):
         if current is None:
             if len(self._at) > 64:  # steps only move forward: keep a few
                 self._at.clear()
-            current = self._at[step] = TopK(self.density_at(step))
+            current = self._at[step] = TopK(self.density_at(step), select=self.select)
         return current
 
     def k_for(self, numel: int) -> int:
@@ -602,7 +634,13 @@ class TopK(_Sparse):
         return _k_of(self.density, numel)
 
     def graph_signature(self, numel):
+        if self.select != "magnitude":  # the engine scores the bucket first, eagerly
+            return None
         return ("TopK", self.k_for(numel))
+
+    @property
+    def selects_by_adam(self) -> bool:
+        return self.select == "adam"
 
     def compress(self, grad, residual, world_size, addresses=None):
         numel = grad.numel()
@@ -614,6 +652,20 @@ class TopK(_Sparse):
         numel = acc.numel()
         k = self.k_for(numel)
         indices, values = _ops.topk_compress_accumulated(acc, k)
+        return Message(numel=numel, values=values, indices=indices, count=k)
+
+    def compress_scored(self, acc: torch.Tensor, score: torch.Tensor, world_size: int) -> Message:
+        """:meth:`compress_accumulated`, choosing the k elements by ``score`` (``select=
+        "adam"``: ``|acc| / (sqrt(v) + eps)``, which the bucket engine computes) instead
+        of by ``|acc|``: the k largest scores, ties to the lower index, NaN first. The
+        message carries ``acc`` at those indices, which are zeroed in ``acc`` (the new
+        residual). Every non-finite ``acc`` scores NaN or Inf (the divisor is finite and
+        positive), so it is sent, as by magnitude."""
+        numel = acc.numel()
+        k = self.k_for(numel)
+        indices, _ = _ops.topk_compress(score, None, k)
+        values = acc[indices.long()]
+        _ops.zero_sent(acc, indices)
         return Message(numel=numel, values=values, indices=indices, count=k)
 
     def _gather_counts(self, message, comm):

@@ -82,6 +82,12 @@ class DDPCommHookState:
                 "sparsecomm.Dense(), Cast(torch.float16), Cast(torch.bfloat16), "
                 "Threshold(t) or TopK(density)"
             )
+        if compressor.selects_by_adam:
+            raise ValueError(
+                f"{compressor!r} selects by the optimizer's second moment, which a comm hook "
+                "does not see (DDP calls it with buckets only): use "
+                "sparsecomm.CompressedOptimizer for it, or TopK(select='magnitude') here"
+            )
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
         if (

@@ -19,6 +19,7 @@ import torch
 from ._comm import Communicator
 from ._engine import BucketEngine, build_buckets, cap_numel
 from ._stats import StepStats
+from .catchup import CatchUpAdamW
 from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
@@ -190,6 +191,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
             or _check_momentum_correction(optimizer, momentum_correction)
             or _check_exchange(exchange, momentum_correction)
+            or _check_selection(optimizer, compressor, exchange)
         )  # fmt: skip
         self.optimizer = optimizer
         self.compressor = compressor
@@ -824,6 +826,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         engine = BucketEngine(
             buckets, self.compressor, self._comm, self.momentum_correction,
             cuda_graphs=self.cuda_graphs and not self.profile,
+            adam_state=_adam_state_of(self.optimizer) if self.compressor.selects_by_adam else None,
         )  # fmt: skip
         engine.step = self._steps_taken
         return engine
@@ -1150,6 +1153,49 @@ def _check_exchange(exchange, momentum_correction) -> Exception | None:
             "optimizer's own momentum runs on each rank before compression already"
         )
     return None
+
+
+#: The wrapped optimizers whose state ``TopK(select="adam")`` reads (``exp_avg_sq``, ``eps``).
+ADAM_FAMILY = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    CatchUpAdamW,
+)
+
+
+def _check_selection(optimizer, compressor, exchange) -> Exception | None:
+    """The first problem with ``TopK(select="adam")`` and what it goes with."""
+    if not getattr(compressor, "selects_by_adam", False):
+        return None
+    if not isinstance(optimizer, ADAM_FAMILY):
+        return TypeError(
+            f"{compressor!r} selects by the wrapped optimizer's second moment (exp_avg_sq), "
+            f"which {type(optimizer).__name__} does not keep: wrap torch.optim.AdamW, "
+            "torch.optim.Adam or sparsecomm.CatchUpAdamW, or use TopK(select='magnitude')"
+        )
+    if exchange == "updates":
+        return ValueError(
+            f"{compressor!r} scales gradients by Adam's second moment; with "
+            "exchange='updates' what is compressed is Adam's update, scaled already: use "
+            "TopK(select='magnitude') there"
+        )
+    return None
+
+
+def _adam_state_of(optimizer: torch.optim.Optimizer):
+    """For the bucket engine: a function of a parameter giving its ``(exp_avg_sq, eps)`` in
+    ``optimizer``, or None before the optimizer has stepped on it."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+    def adam_state(param: torch.Tensor):
+        variance = optimizer.state.get(param, {}).get("exp_avg_sq")
+        if variance is None:
+            return None
+        return variance, group_of[id(param)]["eps"]
+
+    return adam_state
 
 
 def _check_momentum_correction(optimizer, momentum_correction) -> Exception | None:

@@ -276,7 +276,7 @@ def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
         out,
         *("--task", "charlm", "--steps", "4", "--eval-every", "2"),
         *("--density", "0.01", "0.001", "--density-warmup", "2"),
-        *("--runs", "dense", "topk-updates-warmup-0.001"),
+        *("--runs", "dense", "topk-updates-warmup-0.001", "topk-catchup-adam-warmup-0.001"),
     )
     assert (out / "charlm.png").stat().st_size > 10_000
     assert not (out / "results.md").exists()  # the digits table is left alone
@@ -288,3 +288,16 @@ def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
     config = next(json.loads(line) for line in log if '"config"' in line)
     assert config["exchange"] == "updates" and config["density_warmup"] == 2
     assert "warmup_steps=2" in config["compressor"]
+    log = (out / "charlm-topk-catchup-adam-warmup-0.001.jsonl").read_text().splitlines()
+    config = next(json.loads(line) for line in log if '"config"' in line)
+    assert "select='adam'" in config["compressor"] and config["optimizer"] == "catchup-adamw"
+
+
+def test_select_adam_needs_an_adam_optimizer_and_gradients():
+    common = _common()
+    parser = common.make_parser("test")
+    for flags in (["--optimizer", "sgd"], ["--optimizer", "adamw", "--exchange", "updates"]):
+        args = parser.parse_args(["--select", "adam", *flags])
+        with pytest.raises(SystemExit):
+            common.check_args(parser, args)
+    common.check_args(parser, parser.parse_args(["--select", "adam", "--optimizer", "adamw"]))

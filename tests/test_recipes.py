@@ -358,6 +358,8 @@ def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
         (sparsecomm.Dense(), "dgc"),
         (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
         (sparsecomm.TopK(0.05), "catchup"),
+        (sparsecomm.TopK(0.05, warmup_steps=15, select="adam"), "catchup"),
+        (sparsecomm.TopK(0.05, select="adam"), "adamw"),
     ]
     full = run_ranks(_workers.resume, 2, "full", str(tmp_path), configs, 10, 20)
     run_ranks(_workers.resume, 2, "first", str(tmp_path), configs, 10, 20)

@@ -1,0 +1,154 @@
+"""``TopK(select="adam")``: the k largest ``|grad + residual| / (sqrt(v) + eps)`` are sent,
+``v`` the wrapped Adam's second moment. The selection against an independent reference
+(ties, zeros, NaN, huge and tiny values, odd sizes), conservation of what is sent plus
+what is kept, what the engine scores with, and the arguments refused. Two ranks agreeing
+and resuming bitwise: ``test_recipes.py``."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import gradients
+
+import sparsecomm
+from sparsecomm.compressors import TopK
+
+
+def expected_indices(score: torch.Tensor, k: int) -> list[int]:
+    """The k largest scores, ordered as the bits of ``|score|`` read as an integer (NaN
+    above Inf, -0 == 0), ties to the lower index; ascending."""
+    keys = score.cpu().view(torch.int32).numpy().astype(np.int64) & 0x7FFFFFFF
+    order = np.lexsort((np.arange(len(keys)), -keys))  # key descending, then index
+    return sorted(order[:k].tolist())
+
+
+@given(acc=gradients(max_size=3000), data=st.data())
+def test_compress_scored_sends_the_largest_scores_and_keeps_the_rest(acc, data):
+    n = acc.numel()
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    kind = data.draw(st.sampled_from(["random", "ties", "scaled"]))
+    if kind == "random":
+        divisor = torch.rand(n, generator=gen) * 10 + 1e-8
+    elif kind == "ties":
+        divisor = torch.tensor([1.0, 2.0, 1e-8])[torch.randint(0, 3, (n,), generator=gen)]
+    else:  # one layer of tiny gradients beside one of huge: what Adam evens out
+        divisor = torch.where(torch.arange(n) < n // 2, 1e6, 1e-6)
+    score = acc.abs() / divisor
+    density = data.draw(st.sampled_from([0.001, 0.05, 0.3, 1.0]))
+    topk = TopK(density, select="adam")
+    k = topk.k_for(n)
+    before = acc.clone()
+    work = acc.to(DEVICE)
+    message = topk.compress_scored(work, score.to(DEVICE), world_size=2)
+    want = expected_indices(score, k)
+    assert message.count == k and message.numel == n
+    assert message.indices.tolist() == want
+    assert torch.equal(message.values.cpu().view(torch.int32), before[want].view(torch.int32))
+    kept = before.clone()
+    kept[want] = 0.0
+    assert torch.equal(work.cpu().view(torch.int32), kept.view(torch.int32))
+
+
+def test_a_nonfinite_sum_is_always_sent():
+    acc = torch.randn(1000) * 1e-3
+    acc[[17, 500]] = torch.tensor([float("nan"), float("-inf")])
+    score = acc.abs() / torch.full((1000,), 1e-8)  # every finite score is large too
+    message = TopK(0.002, select="adam").compress_scored(acc.to(DEVICE), score.to(DEVICE), 2)
+    assert message.indices.tolist() == [17, 500]
+    assert not torch.isfinite(message.peak(2))
+
+
+def two_scales(seed=0):
+    """Two parameters whose gradients differ by 1e6 in scale: by magnitude the small
+    one is never sent, by Adam's scale both are."""
+    torch.manual_seed(seed)
+    big, small = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(700))
+    return big, small
+
+
+def grads_at(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(300, generator=gen) * 1e3, torch.randn(700, generator=gen) * 1e-3
+
+
+def wrapped(params, select, optimizer=torch.optim.AdamW):
+    return sparsecomm.CompressedOptimizer(
+        optimizer(params, lr=1e-3, eps=1e-6), TopK(0.05, select=select), min_compress_numel=0
+    )
+
+
+def sent_of(opt, params, step):
+    """Run a step with ``grads_at(step)``; return, per parameter, the acc before it and the
+    mask of what was sent (W = 1: the average is what was sent)."""
+    accs = []
+    for param, grad in zip(params, grads_at(step)):
+        accs.append(grad + opt.residual(param))
+        param.grad = grad.clone()
+    opt.step()
+    sent = [p.grad != 0 for p in params]
+    for param, acc, mask in zip(params, accs, sent):
+        assert torch.equal(param.grad + opt.residual(param), acc), "not conserved"
+        assert torch.equal(param.grad[mask], acc[mask])
+    opt.zero_grad()
+    return accs, sent
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, sparsecomm.CatchUpAdamW])
+def test_the_engine_scores_by_the_optimizers_second_moment(optimizer):
+    params = two_scales()
+    opt = wrapped(list(params), "adam", optimizer)
+    # Before the optimizer's first step there is no v: the choice is by magnitude.
+    _, sent = sent_of(opt, params, 0)
+    assert int(sent[0].sum()) == 50 and int(sent[1].sum()) == 0
+    for step in range(1, 10):  # (the big one's coordinates not sent yet have v = 0 first)
+        variances = [opt.optimizer.state[p]["exp_avg_sq"].clone() for p in params]
+        accs, sent = sent_of(opt, params, step)
+        scores = [a.abs() / (v.sqrt() + 1e-6) for a, v in zip(accs, variances)]
+        threshold = torch.cat(scores).topk(50).values.min()
+        for score, mask in zip(scores, sent):
+            assert torch.equal(mask, score >= threshold), step
+    assert int(sent[1].sum()) > 0  # the small-gradient parameter takes its turn
+
+
+def test_by_magnitude_the_small_gradients_wait():
+    params = two_scales()
+    opt = wrapped(list(params), "magnitude")
+    for step in range(4):
+        _, sent = sent_of(opt, params, step)
+        assert int(sent[1].sum()) == 0
+
+
+def test_select_is_part_of_the_compressor_and_its_schedule():
+    topk = TopK(0.001, warmup_steps=10, select="adam")
+    assert topk.config()["select"] == "adam"
+    assert "select" not in TopK(0.001).config()  # checkpoints of before load as they did
+    assert topk.at_step(3).select == "adam" and topk.at_step(3).density > 0.001
+    assert repr(TopK(0.01, select="adam")) == "TopK(density=0.01, select='adam')"
+    assert topk.graph_signature(1000) is None  # scored eagerly, never from a graph
+    assert topk != TopK(0.001, warmup_steps=10)
+
+
+def test_a_checkpoint_keeps_its_selection():
+    params = two_scales()
+    opt = wrapped(list(params), "adam")
+    sent_of(opt, params, 0)
+    state = opt.state_dict()
+    other = wrapped(list(two_scales()), "magnitude")
+    with pytest.raises(ValueError, match="select"):
+        other.load_state_dict(state)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="'magnitude'.*'adam'"):
+        TopK(0.01, select="largest")
+    params = list(two_scales())
+    with pytest.raises(TypeError, match="exp_avg_sq.*AdamW"):
+        sparsecomm.CompressedOptimizer(torch.optim.SGD(params, lr=0.1), TopK(0.01, select="adam"))
+    with pytest.raises(ValueError, match="exchange='updates'"):
+        sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(params), TopK(0.01, select="adam"), exchange="updates"
+        )
+    with pytest.raises(ValueError, match="CompressedOptimizer"):
+        sparsecomm.ddp_comm_hook(TopK(0.01, select="adam"))
