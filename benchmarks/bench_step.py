@@ -19,7 +19,8 @@ wrapping the optimizer (``Dense()``, ``Cast(bf16)``, ``Cast(fp16)``, ``TopK(d)``
 (reported as skipped while sparsecomm has no ``ddp_comm_hook``). A sparsecomm row may
 end in options, each after a ``/``: ``/stream`` (the engine's side CUDA stream), ``/noadopt``
 (buckets of one parameter copy their gradient instead of adopting it), ``/nographs``
-(``cuda_graphs=False``), e.g. ``TopK(0.01)/nographs/stream``.
+(``cuda_graphs=False``), ``/adam`` (``TopK(d, select="adam")``), e.g.
+``TopK(0.01)/nographs/stream``.
 
 Each row builds a fresh model from the same seed, runs ``--warmup`` steps and times
 ``--steps`` (forward, backward, optimizer step, ``zero_grad``; the device synchronized
@@ -213,7 +214,7 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
-OPTIONS = ("stream", "noadopt", "nographs")
+OPTIONS = ("stream", "noadopt", "nographs", "adam")
 
 
 def split_options(name: str) -> tuple[str, set[str]]:
@@ -226,7 +227,7 @@ def split_options(name: str) -> tuple[str, set[str]]:
 
 
 def make_compressor(name: str) -> sparsecomm.Compressor:
-    name, _ = split_options(name)
+    name, knobs = split_options(name)
     fixed = {
         "Dense()": sparsecomm.Dense,
         "Cast(bf16)": lambda: sparsecomm.Cast(torch.bfloat16),
@@ -240,6 +241,10 @@ def make_compressor(name: str) -> sparsecomm.Compressor:
             f"unknown variant {name!r}: use none, DDP, DDP+fp16, Dense(), Cast(bf16), "
             "Cast(fp16), TopK(d), Threshold(t), or ddp+sc-<one of those compressors>"
         )
+    if "adam" in knobs:
+        if match.group(1) != "TopK":
+            raise SystemExit(f"/adam is TopK(select='adam'): {name!r} is not a TopK")
+        return sparsecomm.TopK(float(match.group(2)), select="adam")
     return getattr(sparsecomm, match.group(1))(float(match.group(2)))
 
 

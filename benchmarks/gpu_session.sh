@@ -18,7 +18,8 @@
 # markdown (bench_gpt.md, bench_step.md, bench_overhead.md, bench_kernels.md), and
 # session.txt with each part's status and time; the end of stdout repeats the tables.
 # SKIP="bench_kernels bench_topk quality_gpt" leaves out the parts writing those logs.
-# QUALITY_RECIPES="dense,topk-catchup-warmup" picks quality_gpt.py's recipes (default: all).
+# QUALITY_RECIPES="dense,topk-catchup-warmup" picks quality_gpt.py's recipes (default: all);
+# GPT_VARIANTS="DDP,TopK(0.01),TopK(0.01)/adam" the GPT step table's rows (default: its own).
 # TOPK_BASELINE=path/to/topk.py also times that version of the top-k module beside this one.
 # SMOKE=1 runs every part at tiny sizes (on a CPU: a test of this script, not a measurement).
 #
@@ -126,7 +127,7 @@ run_part "GPU tests" 150 30 gpu_tests.txt 15 \
 
 run_part "GPT step table (one GPU)" 210 60 bench_gpt.log 3 \
   torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py --model gpt \
-  "${GPT_ARGS[@]}" --label "1 GPU" --out "$OUT/bench_gpt.md"
+  "${GPT_ARGS[@]}" ${GPT_VARIANTS:+--variants "$GPT_VARIANTS"} --label "1 GPU" --out "$OUT/bench_gpt.md"
 
 run_part "1e9-parameter linear rows (one GPU)" 90 30 bench_step.log 3 \
   torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py \

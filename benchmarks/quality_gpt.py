@@ -62,6 +62,21 @@ RECIPES = {
         lambda w: sparsecomm.TopK(0.001, warmup_steps=w),
         {},
     ),
+    "topk-adam-warmup": (
+        "TopK(0.01), Adam-scaled choice + warm-up (b+s)",
+        lambda w: sparsecomm.TopK(0.01, warmup_steps=w, select="adam"),
+        {},
+    ),
+    "topk-catchup-adam-warmup": (
+        "TopK(0.01), CatchUpAdamW, Adam-scaled choice + warm-up (e+b+s)",
+        lambda w: sparsecomm.TopK(0.01, warmup_steps=w, select="adam"),
+        {},
+    ),
+    "topk-0.001-catchup-adam-warmup": (
+        "TopK(0.001), CatchUpAdamW, Adam-scaled choice + warm-up (e+b+s)",
+        lambda w: sparsecomm.TopK(0.001, warmup_steps=w, select="adam"),
+        {},
+    ),
 }
 
 
