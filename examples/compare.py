@@ -215,7 +215,12 @@ def plot(rows: list[tuple[str, dict, float]], path: Path, task: str = "digits") 
     _, _, ylabel, higher_better, _ = TASKS[task]
     scale = 100 if task == "digits" else 1
     figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5.5))
+
     # One colour per recipe, one line style per density: ten colours would repeat otherwise.
+    # tab20's dark shades first (tab10's colours), then its light ones: 20 before a repeat.
+    def colour(index: int):
+        return plt.cm.tab20((2 * index + index // 10) % 20)
+
     variants: list[str] = []
     for _, s, _ in rows:
         if s.get("variant", s["label"]) not in variants:
@@ -223,7 +228,7 @@ def plot(rows: list[tuple[str, dict, float]], path: Path, task: str = "digits") 
     for _, s, _ in rows:
         metric = s["metric"]
         style = {
-            "color": plt.cm.tab10(variants.index(s.get("variant", s["label"])) % 10),
+            "color": colour(variants.index(s.get("variant", s["label"]))),
             "linestyle": ("-", "--", ":", "-.")[s.get("density_index", 0) % 4],
             "marker": ".",
             "label": s["label"],

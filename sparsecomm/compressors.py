@@ -664,7 +664,7 @@ class TopK(_Sparse):
         numel = acc.numel()
         k = self.k_for(numel)
         indices, _ = _ops.topk_compress(score, None, k)
-        values = acc[indices.long()]
+        values = acc.index_select(0, indices)
         _ops.zero_sent(acc, indices)
         return Message(numel=numel, values=values, indices=indices, count=k)
 

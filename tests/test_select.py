@@ -152,3 +152,23 @@ def test_arguments_are_checked():
         )
     with pytest.raises(ValueError, match="CompressedOptimizer"):
         sparsecomm.ddp_comm_hook(TopK(0.01, select="adam"))
+
+
+def test_without_error_feedback_what_is_not_sent_is_dropped():
+    params = two_scales()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(params, lr=1e-3),
+        TopK(0.05, select="adam"),
+        error_feedback=False,
+        min_compress_numel=0,
+    )
+    for step in range(3):
+        grads = grads_at(step)
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        opt.step()
+        assert sum(int((p.grad != 0).sum()) for p in params) == 50
+        for param, grad in zip(params, grads):
+            sent = param.grad != 0
+            assert torch.equal(param.grad[sent], grad[sent])
+        opt.zero_grad()
