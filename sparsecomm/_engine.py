@@ -425,8 +425,9 @@ class BucketEngine:
         self.comm = comm
         self.momentum = momentum
         #: For ``TopK(select="adam")``: a parameter's ``(exp_avg_sq, eps)`` in the wrapped
-        #: optimizer, or None before it has any (:meth:`_score`).
+        #: optimizer, ``exp_avg_sq`` None before it has any (:meth:`_score`).
         self.adam_state = adam_state
+        self.member_sizes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: Steps taken so far: the compressor's schedule reads it (``Compressor.at_step``).
         self.step = 0
         #: CUDA graphs of the compression (None: never; see :class:`CompressGraphs`).
@@ -699,29 +700,63 @@ class BucketEngine:
     def _compress_scored(self, bucket: Bucket, compressor: Compressor) -> Message:
         """``TopK(select="adam")``: ``acc = grad + residual`` in the gradient buffer (the
         old residual stays as it was, as :meth:`_compress` leaves it), then the k largest
-        of ``|acc| / (sqrt(v) + eps)`` are sent (:meth:`~sparsecomm.TopK.compress_scored`)
-        and zeroed there, leaving the new residual."""
+        of the scores (:meth:`_score`) are sent (:meth:`~sparsecomm.TopK.compress_scored`)
+        and zeroed there, leaving the new residual. On CUDA the k are chosen from a CUDA
+        graph of the magnitude top-k run on the scores (they are non-negative: their
+        magnitudes are themselves)."""
         acc = bucket.grad_buffer
         if bucket.residual is not None and not bucket.accumulates:
             acc.add_(bucket.residual)
-        return compressor.compress_scored(acc, self._score(bucket, acc), self.comm.world_size)
+        score = self._score(bucket, acc)
+        indices = None
+        chooser = compressor.by_magnitude()
+        signature = self.graph_signature(bucket, chooser, self.next_launch)
+        if signature is not None:
+            world_size = self.comm.world_size
+            chosen = self.graphs.compress(
+                chooser, score, None, world_size, signature, self.next_launch
+            )
+            indices = chosen.indices
+        return compressor.compress_scored(acc, score, self.comm.world_size, indices)
 
     def _score(self, bucket: Bucket, acc: torch.Tensor) -> torch.Tensor:
-        """``|acc| / (sqrt(v) + eps)`` per member, with its optimizer's ``v`` and ``eps``;
-        ``|acc|`` for a member without them yet (before the optimizer's first step)."""
-        score = acc.abs()
-        views, variances, eps = [], [], []
-        for member, param in enumerate(bucket.params):
-            state = self.adam_state(param)
-            if state is not None:
-                views.append(bucket.view(score, member))
-                variances.append(state[0].float())
-                eps.append(state[1])
-        if views:
-            divisors = torch._foreach_sqrt(variances)
-            torch._foreach_add_(divisors, eps)
-            torch._foreach_div_(views, divisors)
-        return score
+        """``|acc| / (sqrt(max(v, mean(v))) + eps)`` per member, with its optimizer's ``v``
+        (``exp_avg_sq``), the mean of ``v`` over the member, and its ``eps``; ``|acc|`` for
+        the whole bucket before the optimizer has any state for it, and ``|acc| / (1 +
+        eps)`` for a member without state beside members with it. A dozen launches per
+        bucket, whatever its number of members: ``v`` is gathered into the bucket's layout
+        (two bucket-sized buffers beside the score, for the time of the call)."""
+        states = [self.adam_state(param) for param in bucket.params]
+        if all(variance is None for variance, _ in states):
+            return acc.abs()
+        variances = [
+            variance.float().reshape(-1)
+            if variance is not None
+            else torch.ones(param.numel(), device=acc.device)
+            for (variance, _), param in zip(states, bucket.params)
+        ]
+        eps = [eps for _, eps in states]
+        counts, sizes = self._sizes(bucket)
+        means = torch.stack(torch._foreach_norm(variances, 1)).div_(sizes)  # v >= 0: sums
+        floor = torch.repeat_interleave(means, counts, output_size=bucket.numel)
+        divisor = torch.cat(variances)
+        torch.maximum(divisor, floor, out=divisor)
+        score = torch.abs(acc, out=floor)
+        divisor.sqrt_()
+        if len(set(eps)) == 1:
+            divisor.add_(eps[0])
+        else:
+            divisor.add_(torch.repeat_interleave(torch.tensor(eps, device=acc.device), counts))
+        return score.div_(divisor)
+
+    def _sizes(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's members' sizes on its device, int64 and float32 (made once)."""
+        sizes = self.member_sizes.get(id(bucket))
+        if sizes is None:
+            numels = [param.numel() for param in bucket.params]
+            counts = torch.tensor(numels, dtype=torch.int64, device=bucket.device)
+            sizes = self.member_sizes[id(bucket)] = (counts, counts.float())
+        return sizes
 
     # ---------------------------------------------------------------- finish
 

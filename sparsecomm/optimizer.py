@@ -1186,13 +1186,11 @@ def _check_selection(optimizer, compressor, exchange) -> Exception | None:
 
 def _adam_state_of(optimizer: torch.optim.Optimizer):
     """For the bucket engine: a function of a parameter giving its ``(exp_avg_sq, eps)`` in
-    ``optimizer``, or None before the optimizer has stepped on it."""
+    ``optimizer``; ``exp_avg_sq`` is None before the optimizer has stepped on it."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
 
     def adam_state(param: torch.Tensor):
         variance = optimizer.state.get(param, {}).get("exp_avg_sq")
-        if variance is None:
-            return None
         return variance, group_of[id(param)]["eps"]
 
     return adam_state

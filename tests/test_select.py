@@ -60,17 +60,18 @@ def test_a_nonfinite_sum_is_always_sent():
     assert not torch.isfinite(message.peak(2))
 
 
-def two_scales(seed=0):
+def two_scales(seed=0, device="cpu"):
     """Two parameters whose gradients differ by 1e6 in scale: by magnitude the small
     one is never sent, by Adam's scale both are."""
     torch.manual_seed(seed)
-    big, small = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(700))
-    return big, small
+    big, small = torch.randn(300, device=device), torch.randn(700, device=device)
+    return torch.nn.Parameter(big), torch.nn.Parameter(small)
 
 
-def grads_at(step):
+def grads_at(step, device="cpu"):
     gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(300, generator=gen) * 1e3, torch.randn(700, generator=gen) * 1e-3
+    big, small = torch.randn(300, generator=gen) * 1e3, torch.randn(700, generator=gen) * 1e-3
+    return big.to(device), small.to(device)
 
 
 def wrapped(params, select, optimizer=torch.optim.AdamW):
@@ -83,7 +84,7 @@ def sent_of(opt, params, step):
     """Run a step with ``grads_at(step)``; return, per parameter, the acc before it and the
     mask of what was sent (W = 1: the average is what was sent)."""
     accs = []
-    for param, grad in zip(params, grads_at(step)):
+    for param, grad in zip(params, grads_at(step, params[0].device)):
         accs.append(grad + opt.residual(param))
         param.grad = grad.clone()
     opt.step()
@@ -97,7 +98,8 @@ def sent_of(opt, params, step):
 
 @pytest.mark.parametrize("optimizer", [torch.optim.AdamW, sparsecomm.CatchUpAdamW])
 def test_the_engine_scores_by_the_optimizers_second_moment(optimizer):
-    params = two_scales()
+    """On CUDA the k are chosen from a CUDA graph from the third step on."""
+    params = two_scales(device=DEVICE)
     opt = wrapped(list(params), "adam", optimizer)
     # Before the optimizer's first step there is no v: the choice is by magnitude.
     _, sent = sent_of(opt, params, 0)
@@ -105,11 +107,18 @@ def test_the_engine_scores_by_the_optimizers_second_moment(optimizer):
     for step in range(1, 10):  # (the big one's coordinates not sent yet have v = 0 first)
         variances = [opt.optimizer.state[p]["exp_avg_sq"].clone() for p in params]
         accs, sent = sent_of(opt, params, step)
-        scores = [a.abs() / (v.sqrt() + 1e-6) for a, v in zip(accs, variances)]
+        # The floor: v's mean over the parameter (its sum as the engine takes it).
+        means = [torch._foreach_norm([v], 1)[0] / v.numel() for v in variances]
+        scores = [
+            a.abs() / (torch.maximum(v, mean).sqrt() + 1e-6)
+            for a, v, mean in zip(accs, variances, means)
+        ]
         threshold = torch.cat(scores).topk(50).values.min()
         for score, mask in zip(scores, sent):
             assert torch.equal(mask, score >= threshold), step
     assert int(sent[1].sum()) > 0  # the small-gradient parameter takes its turn
+    if DEVICE == "cuda":
+        assert opt._engine.graphs.replays > 0
 
 
 def test_by_magnitude_the_small_gradients_wait():
@@ -172,3 +181,27 @@ def test_without_error_feedback_what_is_not_sent_is_dropped():
             sent = param.grad != 0
             assert torch.equal(param.grad[sent], grad[sent])
         opt.zero_grad()
+
+
+def test_a_member_without_state_and_groups_with_their_own_eps():
+    """A parameter no rank used at the first step has no Adam state at the second: it is
+    scored ``|acc| / (1 + eps)``; each param group's ``eps`` applies to its members."""
+    big, small = two_scales()
+    # eps 1e6 brings the big one's scores (about 1e3 / 1e6) down to the small one's (1e-3).
+    inner = torch.optim.AdamW([{"params": [big], "eps": 1e6}, {"params": [small], "eps": 1e-3}])
+    opt = sparsecomm.CompressedOptimizer(inner, TopK(0.05, select="adam"), min_compress_numel=0)
+    big.grad = grads_at(0)[0].clone()
+    opt.step()  # small unused: no state for it
+    opt.zero_grad()
+    assert "exp_avg_sq" not in inner.state.get(small, {})
+    variance = inner.state[big]["exp_avg_sq"].clone()
+    accs, sent = sent_of(opt, (big, small), 1)
+    mean = torch._foreach_norm([variance], 1)[0] / variance.numel()
+    scores = [
+        accs[0].abs() / (torch.maximum(variance, mean).sqrt() + 1e6),
+        accs[1].abs() / (1.0 + 1e-3),
+    ]
+    threshold = torch.cat(scores).topk(50).values.min()
+    for score, mask in zip(scores, sent):
+        assert torch.equal(mask, score >= threshold)
+    assert int(sent[0].sum()) > 0 and int(sent[1].sum()) > 0
