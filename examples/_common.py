@@ -92,7 +92,8 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         choices=("magnitude", "adam"),
         default="magnitude",
         help="TopK's choice: the largest |grad + residual|, or the largest in Adam's units, "
-        "|grad + residual| / (sqrt(v) + eps) (needs --optimizer adamw or catchup-adamw)",
+        "|grad + residual| / (sqrt(max(v, mean v)) + eps): TopK(select='adam') (needs "
+        "--optimizer adamw or catchup-adamw)",
     )
     add("--threshold", type=float, default=1e-3, help="Threshold magnitude")
     add("--no-error-feedback", action="store_true", help="drop what is not sent")

@@ -517,15 +517,16 @@ class TopK(_Sparse):
     Which k are sent is ``select``:
 
     - ``"magnitude"`` (the default): the k largest ``|acc|``, ``acc = grad + residual``.
-    - ``"adam"``: the k largest ``|acc| / (sqrt(v) + eps)``, ``v`` and ``eps`` the wrapped
-      Adam-family optimizer's ``exp_avg_sq`` and ``eps``: the coordinates Adam would move
-      furthest with what they hold, measured in Adam's own units. Magnitudes differ by
+    - ``"adam"``: the k largest ``|acc| / (sqrt(max(v, mean(v))) + eps)``, ``v`` and
+      ``eps`` the wrapped Adam-family optimizer's ``exp_avg_sq`` and ``eps``, ``mean(v)``
+      over the coordinate's parameter: the coordinates Adam would move furthest with what
+      they hold, measured in Adam's own units (the floor keeps a coordinate whose ``v`` is
+      tiny or zero from jumping the queue). Magnitudes differ by
       orders between layers, while Adam moves every coordinate about ``lr`` a step, so by
       magnitude the small-gradient layers wait longest; by Adam's scale they take their
       turn. The values sent are still ``acc`` as it is (conservation and rank agreement
       are unchanged); only the choice of coordinates differs. Before the optimizer's
-      first step (no ``v`` yet) it selects by magnitude; a coordinate whose ``v`` is 0
-      (never stepped on) counts ``1 / eps`` times its magnitude. Needs
+      first step (no ``v`` yet) it selects by magnitude. Needs
       :class:`sparsecomm.CompressedOptimizer` around Adam, AdamW or
       :class:`sparsecomm.CatchUpAdamW`, with ``exchange="gradients"``; see
       ``docs/adam_selection.md`` for the measurements.
@@ -582,8 +583,8 @@ class TopK(_Sparse):
         if select not in self.SELECTIONS:
             raise ValueError(
                 f"TopK(select={select!r}) is invalid: it is 'magnitude' (the largest "
-                "|grad + residual|) or 'adam' (the largest |grad + residual| / (sqrt(v) + eps) "
-                "of the wrapped Adam or AdamW)"
+                "|grad + residual|) or 'adam' (the largest |grad + residual| over the wrapped "
+                "Adam's scale, sqrt(exp_avg_sq) + eps)"
             )
         self.density = float(density)
         self.select = select
