@@ -56,10 +56,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _ops
 from ._comm import Communicator
-from .compressors import Compressor, Dense, Exchange, Message
+from .compressors import AdamChoice, Compressor, Dense, Exchange, Message
 from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
 from .triton_kernels import _indirect
+from .triton_kernels import adam_score as _adam_score
 
 _DENSE = Dense()
 
@@ -428,6 +430,7 @@ class BucketEngine:
         #: optimizer, ``exp_avg_sq`` None before it has any (:meth:`_score`).
         self.adam_state = adam_state
         self.member_sizes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.members: dict[int, tuple[tuple, _adam_score.Members]] = {}
         #: Steps taken so far: the compressor's schedule reads it (``Compressor.at_step``).
         self.step = 0
         #: CUDA graphs of the compression (None: never; see :class:`CompressGraphs`).
@@ -704,28 +707,44 @@ class BucketEngine:
         and zeroed there, leaving the new residual. On CUDA the k are chosen from a CUDA
         graph of the magnitude top-k run on the scores (they are non-negative: their
         magnitudes are themselves)."""
+        world_size = self.comm.world_size
+        members = self._members(bucket) if _ops.use_triton(bucket.grad_buffer) else None
+        if members is not None:  # the kernels, replayed from a CUDA graph where one serves
+            chooser = AdamChoice(members, compressor.k_for(bucket.numel))
+            signature = self.graph_signature(bucket, chooser, self.next_launch)
+            # (A bucket that accumulates holds grad + residual already.)
+            grad, residual = bucket.grad_buffer, None if bucket.accumulates else bucket.residual
+            if signature is None:
+                return chooser.compress(grad, residual, world_size)
+            return self.graphs.compress(
+                chooser, grad, residual, world_size, signature, self.next_launch
+            )
         acc = bucket.grad_buffer
         if bucket.residual is not None and not bucket.accumulates:
             acc.add_(bucket.residual)
-        score = self._score(bucket, acc)
-        indices = None
-        chooser = compressor.by_magnitude()
-        signature = self.graph_signature(bucket, chooser, self.next_launch)
-        if signature is not None:
-            world_size = self.comm.world_size
-            chosen = self.graphs.compress(
-                chooser, score, None, world_size, signature, self.next_launch
-            )
-            indices = chosen.indices
-        return compressor.compress_scored(acc, score, self.comm.world_size, indices)
+        return compressor.compress_scored(acc, self._score(bucket, acc), world_size)
+
+    def _members(self, bucket: Bucket) -> _adam_score.Members | None:
+        """The bucket's members as the CUDA kernels read them, while every member has a
+        float32 ``v`` (else None: the torch ops score it); kept until a ``v`` moves or an
+        ``eps`` changes."""
+        states = [self.adam_state(param) for param in bucket.params]
+        if any(v is None or v.dtype != torch.float32 or not v.is_contiguous() for v, _ in states):
+            return None
+        key = tuple((v.data_ptr(), eps) for v, eps in states)
+        cached = self.members.get(id(bucket))
+        if cached is None or cached[0] != key:
+            numels = [param.numel() for param in bucket.params]
+            members = _adam_score.Members(numels, [v for v, _ in states], [e for _, e in states])
+            cached = self.members[id(bucket)] = (key, members)
+        return cached[1]
 
     def _score(self, bucket: Bucket, acc: torch.Tensor) -> torch.Tensor:
         """``|acc| / (sqrt(max(v, mean(v))) + eps)`` per member, with its optimizer's ``v``
-        (``exp_avg_sq``), the mean of ``v`` over the member, and its ``eps``; ``|acc|`` for
-        the whole bucket before the optimizer has any state for it, and ``|acc| / (1 +
-        eps)`` for a member without state beside members with it. A dozen launches per
-        bucket, whatever its number of members: ``v`` is gathered into the bucket's layout
-        (two bucket-sized buffers beside the score, for the time of the call)."""
+        (``exp_avg_sq``), the mean of ``v`` over the member, and its ``eps``
+        (``triton_kernels.adam_score.score_ref``); ``|acc|`` for the whole bucket before
+        the optimizer has any state for it, and ``v = 1`` for a member without state beside
+        members with it (``|acc| / (1 + eps)``)."""
         states = [self.adam_state(param) for param in bucket.params]
         if all(variance is None for variance, _ in states):
             return acc.abs()
@@ -735,19 +754,9 @@ class BucketEngine:
             else torch.ones(param.numel(), device=acc.device)
             for (variance, _), param in zip(states, bucket.params)
         ]
-        eps = [eps for _, eps in states]
         counts, sizes = self._sizes(bucket)
-        means = torch.stack(torch._foreach_norm(variances, 1)).div_(sizes)  # v >= 0: sums
-        floor = torch.repeat_interleave(means, counts, output_size=bucket.numel)
-        divisor = torch.cat(variances)
-        torch.maximum(divisor, floor, out=divisor)
-        score = torch.abs(acc, out=floor)
-        divisor.sqrt_()
-        if len(set(eps)) == 1:
-            divisor.add_(eps[0])
-        else:
-            divisor.add_(torch.repeat_interleave(torch.tensor(eps, device=acc.device), counts))
-        return score.div_(divisor)
+        eps = torch.tensor([eps for _, eps in states], dtype=torch.float32, device=acc.device)
+        return _adam_score.score_ref(acc, variances, counts, sizes, eps)
 
     def _sizes(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's members' sizes on its device, int64 and float32 (made once)."""

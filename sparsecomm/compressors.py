@@ -27,6 +27,7 @@ import torch
 
 from . import _ops
 from ._comm import Communicator
+from .triton_kernels import adam_score as _adam_score
 
 __all__ = ["Compressor", "Dense", "Cast", "Threshold", "TopK"]
 
@@ -484,6 +485,27 @@ class Threshold(_Sparse):
 
 
 @functools.lru_cache(maxsize=4096)
+class AdamChoice(Compressor):
+    """What ``TopK(select="adam")`` runs on CUDA for one bucket (the bucket engine makes
+    it): ``acc = grad + residual`` into ``grad``, the k largest Adam-scaled scores sent and
+    zeroed there (``triton_kernels.adam_score.adam_topk``), from a CUDA graph where one
+    serves. Not a compressor to pass to the optimizer."""
+
+    def __init__(self, members, k: int):
+        self.members = members
+        self.k = k
+
+    def config(self):
+        return {"name": "AdamChoice", "k": self.k}
+
+    def graph_signature(self, numel):
+        return ("AdamChoice", self.k, self.members.signature)
+
+    def compress(self, grad, residual, world_size, addresses=None):
+        indices, values = _adam_score.adam_topk(grad, residual, self.members, self.k, addresses)
+        return Message(numel=grad.numel(), values=values, indices=indices, count=self.k)
+
+
 def _k_of(density: float, numel: int) -> int:
     """:meth:`TopK.k_for`, cached: a step asks it once per bucket (and a graph signature)."""
     if numel == 0:

@@ -1175,6 +1175,13 @@ def _check_selection(optimizer, compressor, exchange) -> Exception | None:
             f"which {type(optimizer).__name__} does not keep: wrap torch.optim.AdamW, "
             "torch.optim.Adam or sparsecomm.CatchUpAdamW, or use TopK(select='magnitude')"
         )
+    zero_eps = [i for i, group in enumerate(optimizer.param_groups) if not group["eps"] > 0]
+    if zero_eps:
+        return ValueError(
+            f"{compressor!r} divides by sqrt(exp_avg_sq) + eps, and param group(s) {zero_eps} "
+            "have eps <= 0 (0 / 0 where nothing was stepped on yet): give them eps > 0 (AdamW's "
+            "default is 1e-8), or use TopK(select='magnitude')"
+        )
     if exchange == "updates":
         return ValueError(
             f"{compressor!r} scales gradients by Adam's second moment; with "
@@ -1187,11 +1194,12 @@ def _check_selection(optimizer, compressor, exchange) -> Exception | None:
 def _adam_state_of(optimizer: torch.optim.Optimizer):
     """For the bucket engine: a function of a parameter giving its ``(exp_avg_sq, eps)`` in
     ``optimizer``; ``exp_avg_sq`` is None before the optimizer has stepped on it."""
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    # The group's index, not the group: load_state_dict replaces the group dicts.
+    group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
     def adam_state(param: torch.Tensor):
         variance = optimizer.state.get(param, {}).get("exp_avg_sq")
-        return variance, group_of[id(param)]["eps"]
+        return variance, optimizer.param_groups[group_of[id(param)]]["eps"]
 
     return adam_state
 

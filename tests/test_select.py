@@ -1,8 +1,9 @@
-"""``TopK(select="adam")``: the k largest ``|grad + residual| / (sqrt(v) + eps)`` are sent,
-``v`` the wrapped Adam's second moment. The selection against an independent reference
-(ties, zeros, NaN, huge and tiny values, odd sizes), conservation of what is sent plus
-what is kept, what the engine scores with, and the arguments refused. Two ranks agreeing
-and resuming bitwise: ``test_recipes.py``."""
+"""``TopK(select="adam")``: the k largest ``|grad + residual| / (sqrt(max(v, mean(v))) +
+eps)`` are sent, ``v`` the wrapped Adam's second moment. The selection against an
+independent reference (ties, zeros, NaN, huge and tiny values, odd sizes), conservation of
+what is sent plus what is kept, what the engine scores with, a refused step, and the
+arguments refused. The CUDA kernels: ``test_kernel_adam_score.py``; two ranks agreeing and
+resuming bitwise: ``test_recipes.py``."""
 
 import numpy as np
 import pytest
@@ -161,26 +162,73 @@ def test_arguments_are_checked():
         )
     with pytest.raises(ValueError, match="CompressedOptimizer"):
         sparsecomm.ddp_comm_hook(TopK(0.01, select="adam"))
+    with pytest.raises(ValueError, match=r"group\(s\) \[0\] have eps <= 0"):
+        sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(params, eps=0.0), TopK(0.01, select="adam")
+        )
+
+
+def expected_sent(grads, variances, eps, k):
+    """Which coordinates the score chooses, computed apart from the engine (the mean in
+    float64), as masks per parameter."""
+    scores = [
+        g.abs() / (torch.maximum(v, torch.tensor(v.double().mean().item())).sqrt() + eps)
+        for g, v in zip(grads, variances)
+    ]
+    threshold = torch.cat(scores).topk(k).values.min()
+    return [score >= threshold for score in scores]
 
 
 def test_without_error_feedback_what_is_not_sent_is_dropped():
     params = two_scales()
     opt = sparsecomm.CompressedOptimizer(
-        torch.optim.AdamW(params, lr=1e-3),
+        torch.optim.AdamW(params, lr=1e-3, eps=1e-6),
         TopK(0.05, select="adam"),
         error_feedback=False,
         min_compress_numel=0,
     )
-    for step in range(3):
+    for step in range(6):
         grads = grads_at(step)
+        variances = [opt.optimizer.state.get(p, {}).get("exp_avg_sq") for p in params]
+        variances = [None if v is None else v.clone() for v in variances]  # (stepped in place)
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         opt.step()
-        assert sum(int((p.grad != 0).sum()) for p in params) == 50
-        for param, grad in zip(params, grads):
-            sent = param.grad != 0
-            assert torch.equal(param.grad[sent], grad[sent])
+        sent = [p.grad != 0 for p in params]
+        assert sum(int(mask.sum()) for mask in sent) == 50
+        for param, grad, mask in zip(params, grads, sent):
+            assert torch.equal(param.grad[mask], grad[mask])
+        if step >= 2:  # every parameter has a v: the choice is the score's, not |grad|'s
+            want = expected_sent(grads, variances, 1e-6, 50)
+            assert all(torch.equal(a, b) for a, b in zip(sent, want)), step
         opt.zero_grad()
+
+
+def test_a_refused_step_keeps_the_residuals():
+    params = two_scales()
+    opt = wrapped(list(params), "adam")
+    for step in range(3):
+        sent_of(opt, params, step)
+    residuals = [opt.residual(p).clone() for p in params]
+    moments = opt.optimizer.state[params[0]]["exp_avg_sq"].clone()
+    for param, grad in zip(params, grads_at(3)):
+        param.grad = grad.clone()
+    params[1].grad[5] = float("nan")
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    for param, residual in zip(params, residuals):
+        assert torch.equal(opt.residual(param), residual)
+    assert torch.equal(opt.optimizer.state[params[0]]["exp_avg_sq"], moments)
+
+
+def test_eps_is_read_when_the_bucket_is_scored():
+    params = list(two_scales())
+    opt = wrapped(params, "adam")
+    sent_of(opt, params, 0)
+    state = opt.state_dict()
+    state["optimizer"]["param_groups"][0]["eps"] = 0.5
+    opt.load_state_dict(state)  # (torch replaces the group dicts)
+    assert opt._engine.adam_state(params[0])[1] == 0.5
 
 
 def test_a_member_without_state_and_groups_with_their_own_eps():
