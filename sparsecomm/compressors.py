@@ -543,15 +543,17 @@ class TopK(_Sparse):
       ``eps`` the wrapped Adam-family optimizer's ``exp_avg_sq`` and ``eps``, ``mean(v)``
       over the coordinate's parameter: the coordinates Adam would move furthest with what
       they hold, measured in Adam's own units (the floor keeps a coordinate whose ``v`` is
-      tiny or zero from jumping the queue). Magnitudes differ by
+      tiny beside its tensor's from jumping the queue). Magnitudes differ by
       orders between layers, while Adam moves every coordinate about ``lr`` a step, so by
       magnitude the small-gradient layers wait longest; by Adam's scale they take their
       turn. The values sent are still ``acc`` as it is (conservation and rank agreement
       are unchanged); only the choice of coordinates differs. Before the optimizer's
       first step (no ``v`` yet) it selects by magnitude. Needs
-      :class:`sparsecomm.CompressedOptimizer` around Adam, AdamW or
-      :class:`sparsecomm.CatchUpAdamW`, with ``exchange="gradients"``; see
-      ``docs/adam_selection.md`` for the measurements.
+      :class:`sparsecomm.CompressedOptimizer` around an optimizer that keeps
+      ``exp_avg_sq`` (Adam, AdamW, NAdam, RAdam, :class:`sparsecomm.CatchUpAdamW`) with
+      ``eps > 0``, and ``exchange="gradients"``. On CUDA the scoring and the choice
+      replay from one CUDA graph per bucket (``triton_kernels/adam_score.py``); see
+      ``docs/adam_selection.md`` for the definition's details and the measurements.
 
     Args:
         density: the fraction of elements sent, in ``(0, 1]``. ``TopK(1.0)`` sends everything.

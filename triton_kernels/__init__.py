@@ -14,6 +14,7 @@ module             operation
 ``cast``           error-feedback cast to fp16 / bf16
 ``scatter_add``    deterministic sum of W ranks' (index, value) messages
 ``catchup``        ``sparsecomm.CatchUpAdamW``'s step of one parameter, one pass
+``adam_score``     ``TopK(select="adam")``: a bucket scored in Adam's units, its k best
 =================  ==========================================================
 
 ``MAX_NUMEL`` (``2**31 - 1``, from ``_checks``) is the one definition of the int32 index
