@@ -1172,8 +1172,8 @@ def _check_selection(optimizer, compressor, exchange) -> Exception | None:
     if not isinstance(optimizer, ADAM_FAMILY):
         return TypeError(
             f"{compressor!r} selects by the wrapped optimizer's second moment (exp_avg_sq), "
-            f"which {type(optimizer).__name__} does not keep: wrap torch.optim.AdamW, "
-            "torch.optim.Adam or sparsecomm.CatchUpAdamW, or use TopK(select='magnitude')"
+            f"which {type(optimizer).__name__} does not keep: wrap torch.optim.AdamW, Adam, "
+            "NAdam, RAdam or sparsecomm.CatchUpAdamW, or use TopK(select='magnitude')"
         )
     zero_eps = [i for i, group in enumerate(optimizer.param_groups) if not group["eps"] > 0]
     if zero_eps:
