@@ -669,16 +669,26 @@ class TopK(_Sparse):
         return self.select == "adam"
 
     def compress(self, grad, residual, world_size, addresses=None):
+        self._by_magnitude_only()
         numel = grad.numel()
         k = self.k_for(numel)
         indices, values = _ops.topk_compress(grad, residual, k, addresses)
         return Message(numel=numel, values=values, indices=indices, count=k)
 
     def compress_accumulated(self, acc, world_size):
+        self._by_magnitude_only()
         numel = acc.numel()
         k = self.k_for(numel)
         indices, values = _ops.topk_compress_accumulated(acc, k)
         return Message(numel=numel, values=values, indices=indices, count=k)
+
+    def _by_magnitude_only(self) -> None:
+        if self.select != "magnitude":
+            raise ValueError(
+                f"{self!r} chooses by the wrapped optimizer's second moment, which compress() "
+                "does not see: use it through sparsecomm.CompressedOptimizer, or call "
+                "compress_scored(acc, score, world_size) with a score of your own"
+            )
 
     def by_magnitude(self) -> TopK:
         """This step's ``TopK`` choosing by magnitude (itself if it does): what chooses the

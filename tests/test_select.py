@@ -162,6 +162,8 @@ def test_arguments_are_checked():
         )
     with pytest.raises(ValueError, match="CompressedOptimizer"):
         sparsecomm.ddp_comm_hook(TopK(0.01, select="adam"))
+    with pytest.raises(ValueError, match="compress_scored"):  # not silently by magnitude
+        TopK(0.01, select="adam").compress(torch.ones(100), torch.zeros(100), 2)
     with pytest.raises(ValueError, match=r"group\(s\) \[0\] have eps <= 0"):
         sparsecomm.CompressedOptimizer(
             torch.optim.AdamW(params, eps=0.0), TopK(0.01, select="adam")
