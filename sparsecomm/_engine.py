@@ -429,7 +429,7 @@ class BucketEngine:
         #: For ``TopK(select="adam")``: a parameter's ``(exp_avg_sq, eps)`` in the wrapped
         #: optimizer, ``exp_avg_sq`` None before it has any (:meth:`_score`).
         self.adam_state = adam_state
-        self.member_sizes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.member_sizes: dict[int, tuple] = {}  # per bucket, for _score
         self.members: dict[int, tuple[tuple, _adam_score.Members]] = {}
         #: Steps taken so far: the compressor's schedule reads it (``Compressor.at_step``).
         self.step = 0
@@ -703,10 +703,10 @@ class BucketEngine:
     def _compress_scored(self, bucket: Bucket, compressor: Compressor) -> Message:
         """``TopK(select="adam")``: ``acc = grad + residual`` in the gradient buffer (the
         old residual stays as it was, as :meth:`_compress` leaves it), then the k largest
-        of the scores (:meth:`_score`) are sent (:meth:`~sparsecomm.TopK.compress_scored`)
-        and zeroed there, leaving the new residual. On CUDA the k are chosen from a CUDA
-        graph of the magnitude top-k run on the scores (they are non-negative: their
-        magnitudes are themselves)."""
+        of the scores are sent and zeroed there, leaving the new residual. With the Triton
+        kernels (every member's ``v`` float32) that is :class:`AdamChoice`, replayed from a
+        CUDA graph where one serves; else the torch ops of :meth:`_score` and
+        :meth:`~sparsecomm.TopK.compress_scored`."""
         world_size = self.comm.world_size
         members = self._members(bucket) if _ops.use_triton(bucket.grad_buffer) else None
         if members is not None:  # the kernels, replayed from a CUDA graph where one serves
@@ -754,18 +754,19 @@ class BucketEngine:
             else torch.ones(param.numel(), device=acc.device)
             for (variance, _), param in zip(states, bucket.params)
         ]
-        counts, sizes = self._sizes(bucket)
-        eps = torch.tensor([eps for _, eps in states], dtype=torch.float32, device=acc.device)
+        counts, sizes, eps = self._sizes(bucket, tuple(eps for _, eps in states))
         return _adam_score.score_ref(acc, variances, counts, sizes, eps)
 
-    def _sizes(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's members' sizes on its device, int64 and float32 (made once)."""
-        sizes = self.member_sizes.get(id(bucket))
-        if sizes is None:
+    def _sizes(self, bucket: Bucket, eps: tuple[float, ...]):
+        """The bucket's members' sizes (int64 and float32) and ``eps`` (float32) on its
+        device, made again only when an ``eps`` changes (no copy to the device a step)."""
+        cached = self.member_sizes.get(id(bucket))
+        if cached is None or cached[0] != eps:
             numels = [param.numel() for param in bucket.params]
             counts = torch.tensor(numels, dtype=torch.int64, device=bucket.device)
-            sizes = self.member_sizes[id(bucket)] = (counts, counts.float())
-        return sizes
+            on_device = torch.tensor(eps, dtype=torch.float32, device=bucket.device)
+            cached = self.member_sizes[id(bucket)] = (eps, counts, counts.float(), on_device)
+        return cached[1:]
 
     # ---------------------------------------------------------------- finish
 

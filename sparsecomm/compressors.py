@@ -616,7 +616,6 @@ class TopK(_Sparse):
         self.warmup = warmup
         self.warmup_start = float(warmup_start)
         self._at: dict[int, TopK] = {}
-        self._magnitude: TopK | None = None
 
     def config(self):
         config = {"name": "TopK", "density": self.density}
@@ -690,33 +689,17 @@ class TopK(_Sparse):
                 "compress_scored(acc, score, world_size) with a score of your own"
             )
 
-    def by_magnitude(self) -> TopK:
-        """This step's ``TopK`` choosing by magnitude (itself if it does): what chooses the
-        k largest scores for :meth:`compress_scored` (from a CUDA graph, in the engine)."""
-        if self.select == "magnitude":
-            return self
-        if self._magnitude is None:
-            self._magnitude = TopK(self.density)
-        return self._magnitude
-
-    def compress_scored(
-        self,
-        acc: torch.Tensor,
-        score: torch.Tensor,
-        world_size: int,
-        indices: torch.Tensor | None = None,
-    ) -> Message:
+    def compress_scored(self, acc: torch.Tensor, score: torch.Tensor, world_size: int) -> Message:
         """:meth:`compress_accumulated`, choosing the k elements by ``score`` (``select=
         "adam"``: ``|acc|`` over Adam's scale, which the bucket engine computes) instead of
-        by ``|acc|``: the k largest scores, ties to the lower index, NaN first (``indices``:
-        that choice, made already by ``by_magnitude()`` on ``score``). The message carries
-        ``acc`` at those indices, which are zeroed in ``acc`` (the new residual). Every
-        non-finite ``acc`` scores NaN or Inf (the divisor is finite and positive), so it is
-        sent, as by magnitude."""
+        by ``|acc|``: the k largest scores, ties to the lower index, NaN first. The message
+        carries ``acc`` at those indices, which are zeroed in ``acc`` (the new residual).
+        Every non-finite ``acc`` scores NaN or Inf (the divisor is finite and positive), so
+        it is sent, as by magnitude. (On CUDA the engine runs
+        ``triton_kernels.adam_score.adam_topk`` instead, which computes the same.)"""
         numel = acc.numel()
         k = self.k_for(numel)
-        if indices is None:
-            indices, _ = _ops.topk_compress(score, None, k)
+        indices, _ = _ops.topk_compress(score, None, k)
         values = acc.index_select(0, indices)
         _ops.zero_sent(acc, indices)
         return Message(numel=numel, values=values, indices=indices, count=k)
