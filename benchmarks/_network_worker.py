@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--rounds", type=int, default=1, help="times the rows run, taking turns")
     add("--warmup", type=int, default=2)
     add("--profile-steps", type=int, default=2)
-    add("--bucket-cap-mb", type=float, default=25.0)
+    add("--bucket-cap-mb", type=float, default=None, help="default: DDP 25, sparsecomm its own")
     add("--min-compress-numel", type=int, default=1024)
     add("--threshold", type=float, default=None)
     add("--threshold-density", type=float, default=0.01)
@@ -327,7 +327,7 @@ class Trainer:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model,
             device_ids=[ctx.device.index] if ctx.cuda else None,
-            bucket_cap_mb=a.bucket_cap_mb,
+            bucket_cap_mb=25.0 if a.bucket_cap_mb is None else a.bucket_cap_mb,
         )
         self.module = ddp
         try:

@@ -25,6 +25,7 @@ import time
 import torch
 import triton
 from sparsecomm.triton_kernels import _indirect
+from sparsecomm.triton_kernels import adam_score as adam_module
 from sparsecomm.triton_kernels import cast as cast_module
 from sparsecomm.triton_kernels import scatter_add as scatter_module
 from sparsecomm.triton_kernels import threshold as threshold_module
@@ -427,6 +428,54 @@ def bench_topk(bucket, density, copy_bw):
     )
 
 
+def bench_adam_topk(bucket, density, copy_bw, members=4):
+    """``TopK(select="adam")``'s choice on one bucket of ``members`` equal parameters: the
+    score kernel (``acc = grad + residual`` and ``|acc| / (sqrt(max(v, mean v)) + eps)``), the
+    top-k kernels on the score, the take-and-zero, against the same in torch ops
+    (``adam_topk_ref``). Floor: read grad, residual and v, write acc and the score, read the
+    score for the top-k, read and write the k taken."""
+    n, grad, residual = bucket.n, bucket.grad, bucket.residual
+    k = max(1, math.ceil(density * n))
+    gen = torch.Generator(device=DEVICE).manual_seed(n + 1)
+    numels = [n // members] * (members - 1) + [n - (n // members) * (members - 1)]
+    variances = [torch.rand(m, device=DEVICE, generator=gen) * 1e-4 for m in numels]
+    group = adam_module.Members(numels, variances, [1e-8] * members)
+    work = torch.empty_like(grad)
+
+    def restore():
+        work.copy_(grad)
+
+    floor = 24 * n + 16 * k
+    restore()
+    ours = adam_module.adam_topk(work, residual, group, k) + (work.clone(),)
+    restore()
+    ref = adam_module.adam_topk_ref(work, residual, group, k) + (work.clone(),)
+    exact = same_bits(*zip(ours, ref))
+    del ours, ref
+    torch_ms = record(
+        "adam top-k",
+        n,
+        k,
+        "torch: adam_topk_ref (score, topk_compress_ref, take)",
+        lambda: adam_module.adam_topk_ref(work, residual, group, k),
+        floor,
+        copy_bw,
+        setup=restore,
+    )
+    record(
+        "adam top-k",
+        n,
+        k,
+        f"ours: adam_topk ({members} members)",
+        lambda: adam_module.adam_topk(work, residual, group, k),
+        floor,
+        copy_bw,
+        setup=restore,
+        torch_ms=torch_ms,
+        exact=exact,
+    )
+
+
 def bench_aggregate(n, density, copy_bw):
     k = max(1, math.ceil(density * n))
     indices, values = messages(n, k, WORLD_SIZE, seed=1)
@@ -546,6 +595,9 @@ def bench_size(n):
         empty_cache()
         bench_topk(bucket, density, copy_bw)
         empty_cache()
+        if density == 0.01 and n <= 10**8 and fits(24 * n):  # (the reference's int64 keys)
+            bench_adam_topk(bucket, density, copy_bw)
+            empty_cache()
         bench_aggregate(n, density, copy_bw)
         empty_cache()
         publish()

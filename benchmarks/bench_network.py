@@ -214,7 +214,13 @@ def make_parser() -> argparse.ArgumentParser:
     add("--threshold-density", type=float, default=0.01, help="what the calibrated t aims at")
     parser.set_defaults(threshold_how=None)  # set after the first rate calibrates t
     add("--powersgd-rank", type=int, default=4, help="PowerSGD matrix_approximation_rank")
-    add("--bucket-cap-mb", type=float, default=25.0, help="DDP and sparsecomm bucket size")
+    add(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP's and sparsecomm's bucket size (default: DDP's 25 MiB; sparsecomm's own "
+        "default for its compressor, 100 MiB for TopK and Threshold)",
+    )
     add("--target-loss", type=float, default=None, help="report seconds/steps to this val loss")
     add("--target-max-steps", type=int, default=300)
     add("--target-max-seconds", type=float, default=120.0)
@@ -842,6 +848,11 @@ def agrees(pick: dict, fastest: dict) -> bool:
     return pick is fastest or pick["p20"] <= fastest["p80"]
 
 
+def _bucket_cap(results: dict) -> float | None:
+    """The run's ``--bucket-cap-mb`` (None: each side's default), for the planner's model."""
+    return (results.get("config") or {}).get("bucket_cap_mb")
+
+
 def _checkable_rates(results: dict):
     """``(rate, data, link, none row)`` for each rate with a measured link and a `none` row."""
     for rate in results["rates"]:
@@ -880,6 +891,7 @@ def _fit_overlap(results: dict, host_bandwidth: float | None) -> float | None:
                     compute_seconds=none["step_s"]["median"],
                     overlap=0.0,
                     host_bandwidth=host_bandwidth,
+                    bucket_cap_mb=_bucket_cap(results),
                 )
                 if r.name == name
             ]
@@ -952,6 +964,7 @@ def planner_check(
             compress_ns_per_element=costs,
             compute_seconds=none["step_s"]["median"],
             backward_seconds=none["phases_s"]["backward"],
+            bucket_cap_mb=_bucket_cap(results),
             overlap=overlap,
             host_bandwidth=host_bandwidth,
         )

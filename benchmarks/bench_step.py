@@ -194,14 +194,17 @@ def gpt_workload(args, device) -> Workload:
         shape = GPT(args.layers, args.d_model, args.heads, args.vocab, args.context)
     numel = sum(p.numel() for p in shape.parameters())
     tensors = len(list(shape.parameters()))
+    # torch's default on CUDA is foreach; fused=True steps in one kernel per group.
+    fused = getattr(args, "adamw", "default") == "fused"
+    adamw = {"fused": True} if fused else {}
     return Workload(
         label=fmt_params(numel),
         description=f"GPT: {args.layers} layers, d={args.d_model}, {args.heads} heads, vocab "
         f"{args.vocab}, context {args.context}, untied lm_head ({numel / 1e6:.1f}M parameters "
-        f"in {tensors} tensors), bf16 autocast, AdamW, batch {args.batch}x{args.context} "
-        "per rank",
+        f"in {tensors} tensors), bf16 autocast, {'fused ' if fused else ''}AdamW, batch "
+        f"{args.batch}x{args.context} per rank",
         make_model=make_model,
-        make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.1),
+        make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.1, **adamw),
         loss=loss,
         targets=[
             ("TopK(0.01)", "DDP", 1.10, "TopK(0.01) <= 1.10x DDP"),
@@ -214,16 +217,23 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
-OPTIONS = ("stream", "noadopt", "nographs", "adam")
+OPTIONS = ("stream", "noadopt", "nographs", "adam", "cap<MiB>")
 
 
 def split_options(name: str) -> tuple[str, set[str]]:
-    """``"TopK(0.01)/noadopt"`` -> ``("TopK(0.01)", {"noadopt"})``."""
+    """``"TopK(0.01)/noadopt"`` -> ``("TopK(0.01)", {"noadopt"})``. ``/cap100`` builds the
+    row with ``bucket_cap_mb=100`` (``/capinf``: no cap)."""
     base, *knobs = name.split("/")
-    unknown = set(knobs) - set(OPTIONS)
+    unknown = {k for k in knobs if k not in OPTIONS and bucket_cap(k) is None}
     if unknown:
         raise SystemExit(f"unknown option(s) {sorted(unknown)} in {name!r}: use {OPTIONS}")
     return base, set(knobs)
+
+
+def bucket_cap(knob: str) -> float | None:
+    """``"cap100"`` -> 100.0, ``"capinf"`` -> inf; None for any other knob."""
+    match = re.fullmatch(r"cap([0-9.]+|inf)", knob)
+    return None if match is None else float(match.group(1))
 
 
 def make_compressor(name: str) -> sparsecomm.Compressor:
@@ -296,10 +306,12 @@ def build_row(name: str, workload: Workload, device) -> Built:
     else:
         # Built before the first backward: the exchange may run in backward hooks.
         _, knobs = split_options(name)
+        caps = [cap for cap in map(bucket_cap, knobs) if cap is not None]
         optimizer = sparsecomm.CompressedOptimizer(
             workload.make_optimizer(list(model.parameters())),
             make_compressor(name),
             cuda_graphs="nographs" not in knobs,
+            bucket_cap_mb=caps[-1] if caps else None,  # None: the library default
         )
         optimizer._engine.side_stream = "stream" in knobs
         if "noadopt" in knobs:
@@ -699,6 +711,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257, help="gpt")
     parser.add_argument("--context", type=int, default=512, help="gpt")
     parser.add_argument("--batch", type=int, default=None, help="per rank (linear 64, gpt 8)")
+    parser.add_argument(
+        "--adamw",
+        choices=("default", "fused"),
+        default="default",
+        help="gpt: torch's default AdamW (foreach on CUDA) or AdamW(fused=True), every row",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (linear 20, gpt 30)")
     parser.add_argument("--warmup", type=int, default=None, help="linear 5, gpt 10")
     parser.add_argument("--repeats", type=int, default=2, help="times the set of rows runs")

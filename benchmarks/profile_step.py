@@ -228,6 +228,7 @@ def main() -> None:
         help="instead of profiling, time the host side of each phase and of sparsecomm's "
         "functions (no profiler)",
     )
+    parser.add_argument("--adamw", choices=("default", "fused"), default="default")
     for flag, default in (("--layers", 12), ("--d-model", 768), ("--heads", 12),
                           ("--vocab", 50257), ("--context", 512), ("--batch", None)):  # fmt: skip
         parser.add_argument(flag, type=int, default=default)

@@ -119,7 +119,12 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     )
     add("--seed", type=int, default=0, help="model init, data split and data order")
     add("--eval-every", type=int, default=25, help="evaluate every N steps (and at the end)")
-    add("--bucket-cap-mb", type=float, default=25.0)
+    add(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="MiB of float32 per bucket (default: the compressor's, 25 or 100 for TopK)",
+    )
     add(
         "--min-compress-numel",
         type=int,

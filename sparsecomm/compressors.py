@@ -154,6 +154,10 @@ class Compressor:
     #: Whether it chooses what to send by the wrapped Adam's scale (``TopK(select="adam")``):
     #: the engine then scores each bucket and calls ``compress_scored``.
     selects_by_adam = False
+    #: ``CompressedOptimizer``'s bucket size (MiB of float32) when ``bucket_cap_mb`` is not
+    #: given: DDP's 25 for the compressors that send every element, larger for the sparse
+    #: ones (see ``docs/buckets.md``).
+    default_bucket_cap_mb = 25.0
 
     def compress(
         self, grad: torch.Tensor, residual: torch.Tensor | None, world_size: int
@@ -244,8 +248,15 @@ def _start_all_reduce(
 ) -> Exchange:
     """Check ``dense`` (what this rank sends) and start summing it in place over the ranks."""
     message.wire_bytes = dense.numel() * dense.element_size()
-    # Before the sum overwrites this rank's values.
-    peak = _peak(dense, comm.world_size) if check else None
+    # Before the sum overwrites this rank's values. A message's own values may have their
+    # peak measured already (inside the CUDA graph that compressed them).
+    peak = None
+    if check:
+        peak = (
+            message.peak(comm.world_size)
+            if dense is message.values
+            else _peak(dense, comm.world_size)
+        )
     work = comm.start_all_reduce_(dense)
     return Exchange(message, work, dense, comm, peak=peak, dense=True)
 
@@ -383,6 +394,10 @@ def _require_real(value, where: str, example: str) -> None:
 
 class _Sparse(Compressor):
     """Shared exchange of (index, value) messages: all-gather, then deterministic sum."""
+
+    # A 100 MiB bucket sends about what a 2 MiB dense one would at 1% density; fewer
+    # buckets cost fewer launches and less host time per step (docs/buckets.md).
+    default_bucket_cap_mb = 100.0
 
     def start(self, message, comm, check=True):
         world_size, numel = comm.world_size, message.numel

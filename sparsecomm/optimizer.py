@@ -115,8 +115,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             (default True). Without it, unsent gradient is dropped.
         process_group: the group to average over; ``None`` for the default group. Without
             an initialized process group everything runs locally.
-        bucket_cap_mb: largest bucket, in MiB of float32 (default 25; ``float("inf")``:
-            no cap).
+        bucket_cap_mb: largest bucket, in MiB of float32 (``float("inf")``: no cap).
+            Default ``None``: the compressor's ``default_bucket_cap_mb``, 25 for ``Dense``
+            and ``Cast`` (as DDP), 100 for ``TopK`` and ``Threshold``, whose messages are
+            a small fraction of the bucket, so that fewer buckets cost fewer launches and
+            less host time (``docs/buckets.md``).
         min_compress_numel: parameters with fewer elements travel dense, uncompressed, in
             buckets of their own (default 1024: biases and norms are cheap to send whole,
             and a sparse index costs as much as a value).
@@ -174,7 +177,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         *,
         error_feedback: bool = True,
         process_group: Any = None,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | None = None,
         min_compress_numel: int = 1024,
         overlap: bool = True,
         profile: bool = False,
@@ -196,6 +199,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
+        if bucket_cap_mb is None:
+            bucket_cap_mb = compressor.default_bucket_cap_mb
         self.bucket_cap_mb = bucket_cap_mb
         self.min_compress_numel = int(min_compress_numel)
         self.overlap = bool(overlap)
@@ -1287,7 +1292,7 @@ def _check_arguments(
     for name, value in (("error_feedback", error_feedback), ("overlap", overlap)):
         if not isinstance(value, bool):
             return TypeError(f"{name} must be True or False, got {value!r}")
-    if (
+    if bucket_cap_mb is not None and (
         isinstance(bucket_cap_mb, bool)
         or not isinstance(bucket_cap_mb, (int, float))
         or math.isnan(bucket_cap_mb)
@@ -1295,7 +1300,8 @@ def _check_arguments(
     ):
         return ValueError(
             f"bucket_cap_mb must be a number > 0 (MiB of float32 per bucket; float('inf') "
-            f"for no cap), got {bucket_cap_mb!r}; the default is 25"
+            f"for no cap), got {bucket_cap_mb!r}; leave it out (None) for the compressor's "
+            f"default, {compressor.default_bucket_cap_mb:g} for {compressor!r}"
         )
     if (
         isinstance(min_compress_numel, bool)

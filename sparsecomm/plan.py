@@ -77,6 +77,7 @@ __all__ = [
     "comm_time",
     "crossover_density",
     "num_buckets",
+    "bucket_caps",
     "last_bucket_share",
     "parse_bandwidth",
     "parse_count",
@@ -97,8 +98,10 @@ PAIR_BYTES = 8
 # Threshold first all-gathers one int64 count per rank and bucket, then pads to the largest count.
 COUNT_BYTES = 8
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
-# sparsecomm.CompressedOptimizer's default bucket size; buckets hold fp32 gradients.
+# sparsecomm.CompressedOptimizer's default bucket sizes (MiB of fp32 gradients): Dense and
+# Cast, as DDP; TopK and Threshold (the compressors' default_bucket_cap_mb).
 DEFAULT_BUCKET_CAP_MB = 25.0
+SPARSE_BUCKET_CAP_MB = 100.0
 MB = 1024 * 1024  # bucket_cap_mb counts MiB, as DistributedDataParallel's does
 
 
@@ -156,12 +159,27 @@ def num_buckets(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
     """How many fp32 buckets of at most ``bucket_cap_mb`` MiB hold ``n`` gradient elements."""
     if not bucket_cap_mb > 0:
         raise ValueError(
-            f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; the library default is 25"
+            f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; the library's defaults are "
+            f"{DEFAULT_BUCKET_CAP_MB:g} (Dense, Cast) and {SPARSE_BUCKET_CAP_MB:g} "
+            "(TopK, Threshold)"
         )
     if n <= 0:
         return 0
     per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
     return math.ceil(n / per_bucket)
+
+
+def bucket_caps(bucket_cap_mb: float | None = None) -> tuple[float, float]:
+    """The bucket sizes (MiB) of the dense rows (Dense, Cast) and of the sparse rows (TopK,
+    Threshold): ``bucket_cap_mb`` for both, or ``CompressedOptimizer``'s defaults when None.
+
+    Example:
+        >>> bucket_caps(), bucket_caps(50)
+        ((25.0, 100.0), (50, 50))
+    """
+    if bucket_cap_mb is None:
+        return DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB
+    return bucket_cap_mb, bucket_cap_mb
 
 
 def last_bucket_share(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> float:
@@ -190,6 +208,7 @@ def crossover_density(
     bandwidth: float | None = None,
     latency: float = 0.0,
     buckets: int = 1,
+    sparse_buckets: int | None = None,
 ) -> float:
     """Density ``k/n`` at which a sparse all-gather costs the same as a dense all-reduce.
 
@@ -197,12 +216,15 @@ def crossover_density(
     8-byte pairs). With a latency ``alpha`` the all-gather saves ``(W-1)`` latency terms per bucket,
     so in time ``(W-1) k b / B + buckets (W-1) alpha = 2 (W-1)/W e n / B + 2 buckets (W-1) alpha``,
     which gives ``k/n = 2e / (W b) + buckets * alpha * B / (n b)``. Below it, sparse is cheaper.
+    With ``sparse_buckets`` all-gathers (larger buckets) against ``buckets`` all-reduces, the
+    latency term is ``(2 buckets - sparse_buckets) alpha B / (n b)``.
 
     Args:
         world_size: number of ranks ``W`` (at least 2: one rank exchanges nothing).
         elem_bytes: bytes per dense element (4 for fp32, 2 for fp16/bf16).
         pair_bytes: bytes per sparse pair (8: int32 index + fp32 value).
-        n, bandwidth, latency, buckets: only for the latency term; leave ``latency=0`` for the
+        n, bandwidth, latency, buckets, sparse_buckets: only for the latency term (the dense
+            rows' buckets, the sparse rows' if other: None); leave ``latency=0`` for the
             byte crossover, which is what sparsecomm's dense fallback uses.
 
     Example:
@@ -225,7 +247,8 @@ def crossover_density(
                 "crossover_density with latency > 0 needs n > 0 and bandwidth > 0 (bytes/s); "
                 "pass them, or latency=0 for the byte crossover"
             )
-        density += buckets * latency * bandwidth / (n * pair_bytes)
+        sparse = buckets if sparse_buckets is None else sparse_buckets
+        density += (2 * buckets - sparse) * latency * bandwidth / (n * pair_bytes)
     return density
 
 
@@ -451,7 +474,7 @@ def plan(
     bandwidth: float,
     latency: float = 0.0,
     densities: Sequence[float] = DEFAULT_DENSITIES,
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    bucket_cap_mb: float | None = None,
     pair_bytes: float = PAIR_BYTES,
     *,
     threshold_densities: Sequence[float] | None = None,
@@ -471,6 +494,8 @@ def plan(
         densities: the TopK densities to list (and Threshold's, unless
             ``threshold_densities`` is given), each in (0, 1].
         bucket_cap_mb: bucket size; each bucket is one collective, so one set of latency terms.
+            Default None: ``CompressedOptimizer``'s defaults, 25 MiB for the Dense and Cast
+            rows and 100 MiB for the TopK and Threshold rows (:func:`bucket_caps`).
         pair_bytes: bytes per sparse pair (8: int32 index + fp32 value; 6 with half values).
         threshold_densities: the densities the Threshold rows' ``t`` gives, if not
             ``densities``.
@@ -532,9 +557,10 @@ def plan(
         )
     if compress_ns_per_element is not None and not isinstance(compress_ns_per_element, Mapping):
         _check_nonnegative("compress_ns_per_element", compress_ns_per_element)
-    buckets = num_buckets(params, bucket_cap_mb)
-    ring_terms = 2 * (world_size - 1) * buckets
-    gather_terms = (world_size - 1) * buckets
+    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb)
+    dense_buckets, sparse_buckets = num_buckets(params, dense_cap), num_buckets(params, sparse_cap)
+    ring_terms = 2 * (world_size - 1) * dense_buckets
+    gather_terms = (world_size - 1) * sparse_buckets
 
     def row(name, compressor, density, nbytes, terms, above=False):
         time_s = comm_time(nbytes, bandwidth, latency, terms)
@@ -580,7 +606,7 @@ def plan(
     for density in threshold_densities:
         k = density * params
         threshold_bytes = allgather_bytes(k, world_size, pair_bytes) + (
-            (world_size - 1) * COUNT_BYTES * buckets
+            (world_size - 1) * COUNT_BYTES * sparse_buckets
         )
         raw.append(
             row(
@@ -594,9 +620,11 @@ def plan(
         )
     dense_time = raw[0][5]
     hidden = overlap * backward_seconds
-    last_share = last_bucket_share(params, bucket_cap_mb)
     rows = []
     for name, compressor, density, nbytes, terms, time_s, above in raw:
+        sparse = _kind(compressor) in ("topk", "threshold")
+        buckets = sparse_buckets if sparse else dense_buckets
+        last_share = last_bucket_share(params, sparse_cap if sparse else dense_cap)
         cost = _cost_for(name, _kind(compressor), compress_ns_per_element) or 0.0
         if not cost >= 0:
             raise ValueError(f"compress ns per element of {name} must be >= 0, got {cost!r}")
@@ -712,7 +740,7 @@ def format_plan(
     bandwidth: float,
     latency: float = 0.0,
     densities: Sequence[float] = DEFAULT_DENSITIES,
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    bucket_cap_mb: float | None = None,
     pair_bytes: float = PAIR_BYTES,
     **step_model,
 ) -> str:
@@ -724,13 +752,17 @@ def format_plan(
     rows = plan(
         params, world_size, bandwidth, latency, densities, bucket_cap_mb, pair_bytes, **step_model
     )
-    buckets = num_buckets(params, bucket_cap_mb)
+    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb)
+    buckets = num_buckets(params, dense_cap)
+    sparse_buckets = num_buckets(params, sparse_cap)
+    described = f"{buckets} bucket(s) of <= {dense_cap:g} MiB"
+    if sparse_cap != dense_cap:
+        described += f" (Dense, Cast), {sparse_buckets} of <= {sparse_cap:g} MiB (TopK, Threshold)"
     stepped = any(r.step_s != r.time_s for r in rows)
     lines = [
         f"{params:.4g} gradient elements, W={world_size} ranks, "
         f"{bandwidth * 8 / 1e9:.4g} Gbit/s ({bandwidth / 1e9:.4g} GB/s) per rank, "
-        f"latency {latency * 1e6:.4g} us per message, "
-        f"{buckets} bucket(s) of <= {bucket_cap_mb:g} MiB",
+        f"latency {latency * 1e6:.4g} us per message, {described}",
     ]
     if stepped:
         compute = step_model.get("compute_seconds", 0.0)
@@ -786,6 +818,7 @@ def format_plan(
                 bandwidth=bandwidth,
                 latency=latency,
                 buckets=buckets,
+                sparse_buckets=sparse_buckets,
             )
             lines.append(
                 f"In time, with {latency * 1e6:.4g} us latency (the all-gather pays half the "
@@ -807,7 +840,7 @@ def measure_compress_costs(
     params: float,
     densities: Sequence[float] = DEFAULT_DENSITIES,
     threshold_densities: Sequence[float] | None = None,
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    bucket_cap_mb: float | None = None,
     *,
     max_elements: float = 2e7,
     repeats: int = 3,
@@ -817,8 +850,9 @@ def measure_compress_costs(
 
     Runs ``CompressedOptimizer(..., profile=True)`` without a process group (one rank) on
     ``min(params, max_elements)`` normally distributed gradient elements in buckets of
-    ``bucket_cap_mb``, and returns ``{row name: (compress_seconds + aggregate_seconds) / n}``
-    in nanoseconds (median of ``repeats`` steps after one warm-up, each from a zero residual).
+    ``bucket_cap_mb`` (None: each compressor's default, :func:`bucket_caps`), and returns
+    ``{row name: (compress_seconds + aggregate_seconds) / n}`` in nanoseconds (median of
+    ``repeats`` steps after one warm-up, each from a zero residual).
     Threshold's ``t`` sends the row's density of a normal gradient. Aggregation here adds one
     message, not W: at the densities that pay, the W-1 others are a small part of it.
     CUDA when available (or ``device``), else CPU. Needs torch; must not run inside an
@@ -841,11 +875,17 @@ def measure_compress_costs(
     if n < 1:
         raise ValueError(f"params must be >= 1, got {params!r}")
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
-    sizes = [per_bucket] * (n // per_bucket) + ([n % per_bucket] if n % per_bucket else [])
-    generator = torch.Generator().manual_seed(0)
-    grads = [torch.randn(size, generator=generator).to(where) for size in sizes]
-    tensors = [torch.zeros(size, device=where, requires_grad=True) for size in sizes]
+    flat = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(where)
+    split: dict[float, tuple[list, list]] = {}  # per cap: the buckets' gradients and tensors
+
+    def buckets_of(cap: float) -> tuple[list, list]:
+        if cap not in split:
+            per_bucket = max(1, int(cap * MB) // FP32_BYTES)
+            grads = list(flat.split(per_bucket))
+            split[cap] = grads, [torch.zeros_like(g, requires_grad=True) for g in grads]
+        return split[cap]
+
+    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb)
     compressors = [
         ("Dense fp32", Dense()),
         ("Cast fp16", Cast(torch.float16)),
@@ -859,12 +899,14 @@ def measure_compress_costs(
     ]
     costs = {}
     for name, compressor in compressors:
+        cap = sparse_cap if isinstance(compressor, (TopK, Threshold)) else dense_cap
+        grads, tensors = buckets_of(cap)
         samples = []
         for repeat in range(repeats + 1):
             optimizer = CompressedOptimizer(
                 torch.optim.SGD(tensors, lr=0.0),
                 compressor,
-                bucket_cap_mb=bucket_cap_mb,
+                bucket_cap_mb=cap,
                 min_compress_numel=0,
                 profile=True,
             )
@@ -934,8 +976,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bucket-cap-mb",
         type=float,
-        default=DEFAULT_BUCKET_CAP_MB,
-        help="bucket size in MiB; latency is paid per bucket (default 25)",
+        default=None,
+        help="bucket size in MiB; latency is paid per bucket (default: CompressedOptimizer's, "
+        "25 for Dense and Cast, 100 for TopK and Threshold)",
     )
     parser.add_argument(
         "--half-values",

@@ -129,6 +129,12 @@ ERROR_TABLE = [
         ["bucket_cap_mb", "0", "25"],
     ),
     (
+        "bucket_cap_mb 0 under TopK names its default",
+        lambda: sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.TopK(0.1), bucket_cap_mb=0),
+        ValueError,
+        ["bucket_cap_mb", "0", "100", "TopK"],
+    ),
+    (
         "min_compress_numel negative",
         lambda: sparsecomm.CompressedOptimizer(
             sgd(_MODEL), sparsecomm.Dense(), min_compress_numel=-1
@@ -225,6 +231,31 @@ def test_small_parameters_travel_dense_by_default():
     assert opt.residual(model[0].weight).abs().sum() > 0
     for p in (model[0].bias, model[2].weight, model[2].bias):
         assert torch.equal(opt.residual(p), torch.zeros_like(p))
+
+
+@pytest.mark.parametrize(
+    "compressor, cap",
+    [
+        (sparsecomm.Dense(), 25.0),
+        (sparsecomm.Cast(torch.bfloat16), 25.0),
+        (sparsecomm.TopK(0.01), 100.0),
+        (sparsecomm.TopK(0.01, select="adam"), 100.0),
+        (sparsecomm.Threshold(1e-3), 100.0),
+    ],
+)
+def test_bucket_size_defaults_to_the_compressors(compressor, cap):
+    # Two 16 MiB weights: one bucket each at 25 MiB, one bucket for both at 100 MiB.
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2048, 2048, bias=False), torch.nn.Linear(2048, 2048, bias=False)
+    )
+    inner = torch.optim.AdamW(model.parameters())
+    opt = sparsecomm.CompressedOptimizer(inner, compressor)
+    assert opt.bucket_cap_mb == cap
+    assert len(opt._engine.buckets) == (2 if cap == 25.0 else 1)
+    explicit = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), compressor, bucket_cap_mb=16
+    )
+    assert explicit.bucket_cap_mb == 16 and len(explicit._engine.buckets) == 2
 
 
 def test_param_groups_are_shared_so_schedulers_and_zero_grad_work():

@@ -230,3 +230,20 @@ def test_message_peak_is_the_largest_magnitude_over_the_sum_limit(values, dtype)
         else:
             same = torch.equal(peak.cpu().view(torch.int32), expected.view(torch.int32))
             assert same, (values, dtype, peak, expected)  # bits: +0.0 is not -0.0
+
+
+@pytest.mark.parametrize("compressor", [Cast(torch.bfloat16), sparsecomm.Dense()], ids=repr)
+def test_start_takes_the_peak_measured_with_the_message(compressor):
+    # A message compressed inside a CUDA graph carries its peak (measured there); start()
+    # uses it instead of measuring the values again. Without it, start() measures them.
+    from sparsecomm._comm import Communicator
+
+    grad = torch.tensor([1.0, -3.0, 2.0], device=DEVICE)
+    message = compressor.compress(grad, torch.zeros_like(grad), 1)
+    measured = compressor.start(message, Communicator()).peak
+    assert float(measured) == pytest.approx(
+        3.0 / sparsecomm.compressors.sum_limit(message.values.dtype, 1)
+    )
+    message = compressor.compress(grad, torch.zeros_like(grad), 1)
+    message.known_peak = torch.tensor(0.25, device=DEVICE)
+    assert compressor.start(message, Communicator()).peak is message.known_peak

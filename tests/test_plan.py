@@ -136,11 +136,19 @@ def test_plan_13b_w64_25gbit_20us_buckets():
     assert dense.bytes_per_rank == pytest.approx(1.02375e10, rel=1e-12)
     assert dense.latency_terms == 25074
     assert dense.time_s == pytest.approx(3.77748, rel=1e-12)
-    # TopK 0.1%: k = 1.3e6; 63 * 1.3e6 * 8 = 6.552e8 B -> 0.209664 s; 63 * 199 = 12537 terms
-    # * 2e-5 = 0.25074 s; total 0.460404 s.
+    # TopK 0.1%: k = 1.3e6; 63 * 1.3e6 * 8 = 6.552e8 B -> 0.209664 s. Its buckets are 100 MiB
+    # (26214400 fp32): 1.3e9 / 26214400 = 49.59 -> 50; 63 * 50 = 3150 terms * 2e-5 = 0.063 s;
+    # total 0.272664 s.
+    assert num_buckets(1.3e9, bucket_cap_mb=100) == 50
     topk = rows["TopK 0.1%"]
     assert topk.bytes_per_rank == pytest.approx(6.552e8, rel=1e-12)
-    assert topk.time_s == pytest.approx(0.460404, rel=1e-12)
+    assert topk.latency_terms == 3150
+    assert topk.time_s == pytest.approx(0.272664, rel=1e-12)
+    # In 25 MiB buckets like the dense rows': 63 * 199 = 12537 terms * 2e-5 = 0.25074 s; total
+    # 0.460404 s. The dense rows do not change with the sparse rows' cap.
+    same = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6, bucket_cap_mb=25))
+    assert same["TopK 0.1%"].time_s == pytest.approx(0.460404, rel=1e-12)
+    assert same["Dense fp32"].time_s == pytest.approx(3.77748, rel=1e-12)
     # TopK 10% is above the 1/64 crossover: sparsecomm would send dense.
     assert rows["TopK 10%"].above_crossover and not rows["TopK 1%"].above_crossover
     # Time crossover: 1/64 + 199 * 2e-5 * 3.125e9 / (1.3e9 * 8) = 0.015625 + 1.24375e7 / 1.04e10
@@ -148,6 +156,10 @@ def test_plan_13b_w64_25gbit_20us_buckets():
     assert crossover_density(
         64, n=1.3e9, bandwidth=GBIT_25, latency=20e-6, buckets=199
     ) == pytest.approx(0.015625 + 1.24375e7 / 1.04e10, rel=1e-12)
+    # With 50 all-gathers against 199 all-reduces: (2 * 199 - 50) = 348 latency terms' worth.
+    assert crossover_density(
+        64, n=1.3e9, bandwidth=GBIT_25, latency=20e-6, buckets=199, sparse_buckets=50
+    ) == pytest.approx(0.015625 + 348 * 2e-5 * 3.125e9 / 1.04e10, rel=1e-12)
 
 
 def test_num_buckets_edges():
@@ -388,12 +400,12 @@ def test_compression_cost_decides_between_links():
     assert pick(fast).name == "Dense fp32"
     assert recommend(fast, 2).startswith("Use Dense() (or plain DistributedDataParallel)")
     # 150 Mbit/s per rank (1.875e7 B/s): Dense 3.07 s; Threshold 0.1%: 1.44e4 pairs * 8 B
-    # + an 8-byte count for each of the 3 buckets (6553600 fp32 each) = 115224 B -> 6.15 ms,
+    # + an 8-byte count for its one bucket (100 MiB: 26214400 fp32) = 115208 B -> 6.14 ms,
     # + 57.6 ms: the fastest; TopK 0.1% 6.14 + 144 ms.
     slow = plan(1.44e7, 2, 1.875e7, **model)
     best = pick(slow)
     assert best.name == "Threshold 0.1%"
-    assert best.step_s == pytest.approx(0.6 + 0.0576 + 115224 / 1.875e7, rel=1e-12)
+    assert best.step_s == pytest.approx(0.6 + 0.0576 + 115208 / 1.875e7, rel=1e-12)
     assert rows_by_name(slow)["TopK 0.1%"].step_s == pytest.approx(
         0.6 + 0.144 + 115200 / 1.875e7, rel=1e-12
     )
@@ -655,6 +667,7 @@ def plan_after(rate, overlap=AFTER_OVERLAP, host_bandwidth=AFTER_HOST_BANDWIDTH,
         backward_seconds=backward,
         overlap=overlap,
         host_bandwidth=host_bandwidth,
+        bucket_cap_mb=25.0,  # what those runs used for every row
     )
     model.update(changes)
     rows = plan(14417920, 2, bandwidth, **model)
