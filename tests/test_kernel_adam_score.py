@@ -86,3 +86,21 @@ def test_arguments_are_checked():
         adam_topk(torch.zeros(30, device=DEVICE), None, members, 0)
     with pytest.raises(ValueError, match="float32, contiguous"):
         Members([4], [torch.zeros(4, dtype=torch.bfloat16, device=DEVICE)], [1e-8])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a race between GPU threads: needs a GPU")
+def test_every_value_taken_is_read_before_it_is_zeroed():
+    # k = 1e6 values taken from a 1e8-element bucket: when one kernel read and zeroed them,
+    # some threads zeroed elements that others had not read yet (on an H100, ~700 values
+    # came out as zeros while the residual was zeroed there: gradient lost).
+    n, k = 10**8, 10**6
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    grad = torch.randn(n, device=DEVICE, generator=gen)
+    residual = torch.randn(n, device=DEVICE, generator=gen)
+    numels = [n // 4] * 4
+    variances = [torch.rand(m, device=DEVICE, generator=gen) * 1e-4 for m in numels]
+    members = Members(numels, variances, [1e-8] * 4)
+    acc = grad + residual
+    indices, values = adam_topk(grad, residual, members, k)
+    assert torch.equal(bits(values), bits(acc[indices.long()]))
+    assert not bool(grad[indices.long()].any())
