@@ -82,6 +82,10 @@ def _catch_up_adamw_kernel(
     new_v = v + (1.0 - decay2) * (g * g - v)
     denom = tl.sqrt(new_v / bias_correction2) + eps
     work = tl.where(received, work - momenta / denom * lr, work)
+    # The step stored into last_step does not depend on the value loaded from there, so with
+    # 16-bit parameters (where Triton may store with another layout than it loaded, and so
+    # from another thread) nothing else would order every thread's load before the stores.
+    tl.debug_barrier()
     tl.store(param_ptr + offsets, work.to(p.dtype), mask=in_bounds)
     tl.store(avg_ptr + offsets, new_m, mask=touch)
     tl.store(avg_sq_ptr + offsets, new_v, mask=touch)
