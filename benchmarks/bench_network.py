@@ -848,9 +848,23 @@ def agrees(pick: dict, fastest: dict) -> bool:
     return pick is fastest or pick["p20"] <= fastest["p80"]
 
 
-def _bucket_cap(results: dict) -> float | None:
-    """The run's ``--bucket-cap-mb`` (None: each side's default), for the planner's model."""
-    return (results.get("config") or {}).get("bucket_cap_mb")
+def _run_caps(bucket_cap_mb: float | None) -> tuple[float, float]:
+    """The sparsecomm rows' bucket sizes for ``--bucket-cap-mb`` (None: the library's)."""
+    import sparsecomm
+
+    if bucket_cap_mb is not None:
+        return bucket_cap_mb, bucket_cap_mb
+    dense = sparsecomm.Dense().default_bucket_cap_mb
+    return dense, sparsecomm.TopK(0.01).default_bucket_cap_mb
+
+
+def _bucket_cap(results: dict):
+    """The bucket sizes a stored run's sparsecomm rows used, for the planner's model: its
+    ``bucket_caps`` ([dense rows, sparse rows]), else its ``--bucket-cap-mb`` (runs before
+    the sizes were stored), else None (the defaults)."""
+    config = results.get("config") or {}
+    caps = config.get("bucket_caps")
+    return tuple(caps) if caps else config.get("bucket_cap_mb")
 
 
 def _checkable_rates(results: dict):
@@ -1062,7 +1076,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "config": dict(vars(args)),
+        # The bucket sizes the sparsecomm rows ran with, [dense rows, sparse rows] in MiB (so
+        # that the planner check models this run with them, whatever the defaults become).
+        "config": dict(vars(args), bucket_caps=list(_run_caps(args.bucket_cap_mb))),
         "rates": [],
     }
     print(

@@ -217,7 +217,7 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
-OPTIONS = ("stream", "noadopt", "nographs", "adam", "cap<MiB>")
+OPTIONS = ("stream", "noadopt", "nographs", "adam")
 
 
 def split_options(name: str) -> tuple[str, set[str]]:
@@ -226,7 +226,11 @@ def split_options(name: str) -> tuple[str, set[str]]:
     base, *knobs = name.split("/")
     unknown = {k for k in knobs if k not in OPTIONS and bucket_cap(k) is None}
     if unknown:
-        raise SystemExit(f"unknown option(s) {sorted(unknown)} in {name!r}: use {OPTIONS}")
+        raise SystemExit(
+            f"unknown option(s) {sorted(unknown)} in {name!r}: use {OPTIONS} or cap<MiB>"
+        )
+    if sum(bucket_cap(k) is not None for k in knobs) > 1:
+        raise SystemExit(f"{name!r} gives more than one /cap<MiB>: give one")
     return base, set(knobs)
 
 
@@ -306,12 +310,12 @@ def build_row(name: str, workload: Workload, device) -> Built:
     else:
         # Built before the first backward: the exchange may run in backward hooks.
         _, knobs = split_options(name)
-        caps = [cap for cap in map(bucket_cap, knobs) if cap is not None]
+        (cap,) = [cap for cap in map(bucket_cap, knobs) if cap is not None] or [None]
         optimizer = sparsecomm.CompressedOptimizer(
             workload.make_optimizer(list(model.parameters())),
             make_compressor(name),
             cuda_graphs="nographs" not in knobs,
-            bucket_cap_mb=caps[-1] if caps else None,  # None: the library default
+            bucket_cap_mb=cap,  # None: the library default
         )
         optimizer._engine.side_stream = "stream" in knobs
         if "noadopt" in knobs:

@@ -123,7 +123,8 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         "--bucket-cap-mb",
         type=float,
         default=None,
-        help="MiB of float32 per bucket (default: the compressor's, 25 or 100 for TopK)",
+        help="MiB of float32 per bucket (default: the compressor's: 25 for dense and cast, "
+        "100 for topk and threshold)",
     )
     add(
         "--min-compress-numel",

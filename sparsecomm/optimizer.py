@@ -1263,6 +1263,15 @@ def _group_params(param_group: Any, existing: list) -> tuple[list, Exception | N
     return params, None
 
 
+def _good_cap(cap) -> bool:
+    return (
+        not isinstance(cap, bool)
+        and isinstance(cap, (int, float))
+        and not math.isnan(cap)
+        and cap > 0
+    )
+
+
 def _check_arguments(
     optimizer, compressor, error_feedback, bucket_cap_mb, min_compress_numel, overlap, unexpected
 ) -> Exception | None:
@@ -1292,16 +1301,17 @@ def _check_arguments(
     for name, value in (("error_feedback", error_feedback), ("overlap", overlap)):
         if not isinstance(value, bool):
             return TypeError(f"{name} must be True or False, got {value!r}")
-    if bucket_cap_mb is not None and (
-        isinstance(bucket_cap_mb, bool)
-        or not isinstance(bucket_cap_mb, (int, float))
-        or math.isnan(bucket_cap_mb)
-        or not bucket_cap_mb > 0
-    ):
+    default = compressor.default_bucket_cap_mb
+    if bucket_cap_mb is None and not _good_cap(default):  # a custom compressor's
+        return ValueError(
+            f"{type(compressor).__name__}.default_bucket_cap_mb must be a number > 0 (MiB of "
+            f"float32 per bucket), got {default!r}; set it in the class, or pass bucket_cap_mb"
+        )
+    if bucket_cap_mb is not None and not _good_cap(bucket_cap_mb):
         return ValueError(
             f"bucket_cap_mb must be a number > 0 (MiB of float32 per bucket; float('inf') "
             f"for no cap), got {bucket_cap_mb!r}; leave it out (None) for the compressor's "
-            f"default, {compressor.default_bucket_cap_mb:g} for {compressor!r}"
+            f"default, {default!r} for {compressor!r}"
         )
     if (
         isinstance(min_compress_numel, bool)

@@ -19,12 +19,14 @@ bytes/s, per-message latency ``alpha``):
 - an all-gather of ``k`` (int32 index, fp32 value) pairs of ``b = 8`` bytes moves
   ``(W-1) * k * b`` bytes and pays ``(W-1)`` latency terms;
 - time = bytes / B + latency terms * alpha, once per bucket for the latency terms (sparsecomm
-  runs one collective per bucket of ``bucket_cap_mb``).
+  runs one collective per bucket of ``bucket_cap_mb``: by default 25 MiB for Dense and Cast,
+  100 MiB for TopK and Threshold, :func:`bucket_caps`).
 
 Setting the two byte counts equal gives the crossover density ``k/n = 2e / (W b)``: ``1/W`` for
 fp32 against 8-byte pairs (12.5% at W=8, 1.6% at W=64). A sparse all-gather pays fewer latency
 terms than the ring all-reduce, which moves the *time* crossover up by
-``buckets * alpha * B / (n b)`` (see :func:`crossover_density`). Above the byte crossover
+``(2 buckets - sparse_buckets) * alpha * B / (n b)`` (``buckets`` dense all-reduces against
+``sparse_buckets`` all-gathers; see :func:`crossover_density`). Above the byte crossover
 sparsecomm sends the bucket dense instead, so a density there buys nothing.
 
 The step model (per rank, per step) adds what the communication time leaves out:
@@ -155,8 +157,16 @@ def comm_time(
     return nbytes / bandwidth + latency_terms * latency
 
 
+def _per_bucket(n: float, bucket_cap_mb: float) -> float:
+    """Elements a full bucket holds (``n`` itself without a cap: ``inf``)."""
+    if math.isinf(bucket_cap_mb):
+        return max(1.0, n)
+    return max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
+
+
 def num_buckets(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
-    """How many fp32 buckets of at most ``bucket_cap_mb`` MiB hold ``n`` gradient elements."""
+    """How many fp32 buckets of at most ``bucket_cap_mb`` MiB (``inf``: no cap) hold ``n``
+    gradient elements."""
     if not bucket_cap_mb > 0:
         raise ValueError(
             f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}; the library's defaults are "
@@ -165,20 +175,24 @@ def num_buckets(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
         )
     if n <= 0:
         return 0
-    per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
-    return math.ceil(n / per_bucket)
+    return math.ceil(n / _per_bucket(n, bucket_cap_mb))
 
 
-def bucket_caps(bucket_cap_mb: float | None = None) -> tuple[float, float]:
+def bucket_caps(bucket_cap_mb=None) -> tuple[float, float]:
     """The bucket sizes (MiB) of the dense rows (Dense, Cast) and of the sparse rows (TopK,
-    Threshold): ``bucket_cap_mb`` for both, or ``CompressedOptimizer``'s defaults when None.
+    Threshold): ``bucket_cap_mb`` for both, a ``(dense, sparse)`` pair as given, or
+    ``CompressedOptimizer``'s defaults when None. (Under ``ddp_comm_hook`` every row runs
+    in DDP's buckets: pass DDP's ``bucket_cap_mb``, 25 by default.)
 
     Example:
-        >>> bucket_caps(), bucket_caps(50)
-        ((25.0, 100.0), (50, 50))
+        >>> bucket_caps(), bucket_caps(50), bucket_caps((25, 200))
+        ((25.0, 100.0), (50, 50), (25, 200))
     """
     if bucket_cap_mb is None:
         return DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB
+    if isinstance(bucket_cap_mb, (tuple, list)):
+        dense, sparse = bucket_cap_mb
+        return dense, sparse
     return bucket_cap_mb, bucket_cap_mb
 
 
@@ -195,8 +209,7 @@ def last_bucket_share(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) ->
     buckets = num_buckets(n, bucket_cap_mb)
     if buckets <= 1:
         return 1.0
-    per_bucket = max(1, int(bucket_cap_mb * MB) // FP32_BYTES)
-    return (n - (buckets - 1) * per_bucket) / n
+    return (n - (buckets - 1) * _per_bucket(n, bucket_cap_mb)) / n
 
 
 def crossover_density(
@@ -225,7 +238,8 @@ def crossover_density(
         pair_bytes: bytes per sparse pair (8: int32 index + fp32 value).
         n, bandwidth, latency, buckets, sparse_buckets: only for the latency term (the dense
             rows' buckets, the sparse rows' if other: None); leave ``latency=0`` for the
-            byte crossover, which is what sparsecomm's dense fallback uses.
+            byte crossover, which is what sparsecomm's dense fallback uses. 0 when the
+            all-gathers' latency alone costs more than the all-reduces'.
 
     Example:
         >>> crossover_density(8), crossover_density(64)
@@ -249,6 +263,7 @@ def crossover_density(
             )
         sparse = buckets if sparse_buckets is None else sparse_buckets
         density += (2 * buckets - sparse) * latency * bandwidth / (n * pair_bytes)
+        density = max(density, 0.0)  # (below 0: the all-gathers' latency alone costs more)
     return density
 
 
@@ -821,8 +836,9 @@ def format_plan(
                 sparse_buckets=sparse_buckets,
             )
             lines.append(
-                f"In time, with {latency * 1e6:.4g} us latency (the all-gather pays half the "
-                f"latency terms): {_pct(time_cross)}."
+                f"In time, with {latency * 1e6:.4g} us latency (the all-gathers pay "
+                f"{(world_size - 1) * sparse_buckets} latency terms, the all-reduces "
+                f"{2 * (world_size - 1) * buckets}): {_pct(time_cross)}."
             )
         lines.append(
             f"Against Cast fp16/bf16 (2-byte all-reduce) the sparse compressors pay below "
@@ -880,8 +896,7 @@ def measure_compress_costs(
 
     def buckets_of(cap: float) -> tuple[list, list]:
         if cap not in split:
-            per_bucket = max(1, int(cap * MB) // FP32_BYTES)
-            grads = list(flat.split(per_bucket))
+            grads = list(flat.split(int(_per_bucket(n, cap))))
             split[cap] = grads, [torch.zeros_like(g, requires_grad=True) for g in grads]
         return split[cap]
 
@@ -977,8 +992,9 @@ def _parser() -> argparse.ArgumentParser:
         "--bucket-cap-mb",
         type=float,
         default=None,
-        help="bucket size in MiB; latency is paid per bucket (default: CompressedOptimizer's, "
-        "25 for Dense and Cast, 100 for TopK and Threshold)",
+        help="bucket size in MiB, for every row; latency is paid per bucket (default: "
+        "CompressedOptimizer's, 25 for Dense and Cast, 100 for TopK and Threshold; under "
+        "ddp_comm_hook pass DDP's, 25 by default)",
     )
     parser.add_argument(
         "--half-values",

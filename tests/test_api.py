@@ -258,6 +258,16 @@ def test_bucket_size_defaults_to_the_compressors(compressor, cap):
     assert explicit.bucket_cap_mb == 16 and len(explicit._engine.buckets) == 2
 
 
+def test_a_compressor_with_a_bad_default_bucket_size_is_refused():
+    class Odd(sparsecomm.Dense):
+        default_bucket_cap_mb = 0
+
+    with pytest.raises(ValueError, match="Odd.default_bucket_cap_mb must be a number > 0"):
+        sparsecomm.CompressedOptimizer(sgd(_MODEL), Odd())
+    opt = sparsecomm.CompressedOptimizer(sgd(_MODEL), Odd(), bucket_cap_mb=1)
+    assert opt.bucket_cap_mb == 1
+
+
 def test_param_groups_are_shared_so_schedulers_and_zero_grad_work():
     model = small_model()
     inner = sgd(model)

@@ -306,8 +306,22 @@ def test_cli_large_model_with_latency():
         "--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit", "--latency", "20us"
     )
     assert result.returncode == 0, result.stderr
-    assert "199 bucket(s)" in result.stdout
+    assert "199 bucket(s) of <= 25 MiB (Dense, Cast), 50 of <= 100 MiB (TopK, Threshold)" in (
+        result.stdout
+    )
+    # 63 * 50 all-gather terms against 2 * 63 * 199 all-reduce terms.
+    assert "the all-gathers pay 3150 latency terms, the all-reduces 25074" in result.stdout
     assert "1.56% = 1/W" in result.stdout
+    one_size = run_cli(
+        "--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit",
+        "--bucket-cap-mb", "25",
+    )  # fmt: skip
+    assert "199 bucket(s) of <= 25 MiB\n" in one_size.stdout
+    assert "(TopK, Threshold)" not in one_size.stdout
+    no_cap = run_cli("--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit",
+                     "--bucket-cap-mb", "inf")  # fmt: skip
+    assert no_cap.returncode == 0, no_cap.stderr
+    assert "1 bucket(s) of <= inf MiB" in no_cap.stdout
     dense_line = next(
         line for line in result.stdout.splitlines() if line.startswith("| Dense fp32")
     )
@@ -479,11 +493,39 @@ def test_step_model_bad_input_raises_value_error(call, words):
     assert not missing, f"error message {info.value!s} lacks {missing}"
 
 
-def test_measure_compress_costs_times_every_row():
-    costs = measure_compress_costs(3e5, densities=(0.01,), repeats=1, bucket_cap_mb=0.5)
+@pytest.mark.parametrize("cap", [0.5, (0.25, 1.0), float("inf")])
+def test_measure_compress_costs_times_every_row(cap):
+    # One size for every row, a size for the dense rows and one for the sparse rows (the
+    # gradient split both ways), and no cap.
+    costs = measure_compress_costs(3e5, densities=(0.01,), repeats=1, bucket_cap_mb=cap)
     assert list(costs) == ["Dense fp32", "Cast fp16", "Cast bf16", "TopK 1%", "Threshold 1%"]
     assert all(ns >= 0 for ns in costs.values()), costs
     assert costs["TopK 1%"] > costs["Dense fp32"], costs  # Dense compresses nothing
+
+
+def test_bucket_sizes_follow_the_library():
+    import torch
+
+    import sparsecomm
+    from sparsecomm.plan import DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB, bucket_caps
+
+    assert bucket_caps() == (DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB) == (25.0, 100.0)
+    assert bucket_caps(50) == (50, 50) and bucket_caps((25, 200)) == (25, 200)
+    for dense in (sparsecomm.Dense(), sparsecomm.Cast(torch.bfloat16)):
+        assert dense.default_bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
+    for sparse in (sparsecomm.TopK(0.01), sparsecomm.Threshold(1e-3)):
+        assert sparse.default_bucket_cap_mb == SPARSE_BUCKET_CAP_MB
+    # No cap: one bucket, all of it sent when backward ends.
+    assert num_buckets(1e9, float("inf")) == 1
+    assert last_bucket_share(1e9, float("inf")) == 1.0
+    rows = rows_by_name(plan(1e9, 8, GBIT_25, latency=1e-5, bucket_cap_mb=float("inf")))
+    assert rows["TopK 1%"].latency_terms == 7 and rows["Dense fp32"].latency_terms == 14
+
+
+def test_time_crossover_is_never_below_zero():
+    # 1000 all-gathers against one all-reduce: the all-gathers' latency alone costs more.
+    assert crossover_density(8, n=1e6, bandwidth=1e9, latency=1e-3, buckets=1,
+                             sparse_buckets=1000) == 0.0  # fmt: skip
 
 
 def test_cli_step_model():
@@ -854,3 +896,11 @@ def test_last_bucket_share():
     assert last_bucket_share(6553600) == 1.0  # one bucket: all of it is sent last
     assert last_bucket_share(2 * 6553600) == 0.5
     assert last_bucket_share(1e6, bucket_cap_mb=1) == pytest.approx(0.213568, rel=1e-12)
+
+
+def test_the_planner_check_models_a_run_with_its_own_bucket_sizes():
+    bench = _bench_network()
+    assert bench._bucket_cap({"config": {"bucket_caps": [25.0, 100.0]}}) == (25.0, 100.0)
+    assert bench._bucket_cap({"config": {"bucket_cap_mb": 25.0}}) == 25.0  # older runs
+    assert bench._bucket_cap({"config": {}}) is None
+    assert bench._run_caps(None) == (25.0, 100.0) and bench._run_caps(7.0) == (7.0, 7.0)
