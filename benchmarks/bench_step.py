@@ -296,7 +296,11 @@ def build_row(name: str, workload: Workload, device) -> Built:
             module.register_comm_hook(None, default_hooks.fp16_compress_hook)
             sent_bytes = lambda: 2 * numel  # noqa: E731
         else:
-            state, hook = sparsecomm.ddp_comm_hook(make_compressor(name[len("ddp+sc-") :]))
+            compressor_name = name[len("ddp+sc-") :]
+            state, hook = sparsecomm.ddp_comm_hook(
+                make_compressor(compressor_name),
+                cuda_graphs="nographs" not in split_options(compressor_name)[1],
+            )
             module.register_comm_hook(state, hook)
 
             def sent_bytes(state=state):
