@@ -499,7 +499,6 @@ class Threshold(_Sparse):
         return counts
 
 
-@functools.lru_cache(maxsize=4096)
 class AdamChoice(Compressor):
     """What ``TopK(select="adam")`` runs on CUDA for one bucket (the bucket engine makes
     it): ``acc = grad + residual`` into ``grad``, the k largest Adam-scaled scores sent and
@@ -521,6 +520,7 @@ class AdamChoice(Compressor):
         return Message(numel=grad.numel(), values=values, indices=indices, count=self.k)
 
 
+@functools.lru_cache(maxsize=4096)
 def _k_of(density: float, numel: int) -> int:
     """:meth:`TopK.k_for`, cached: a step asks it once per bucket (and a graph signature)."""
     if numel == 0:

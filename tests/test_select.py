@@ -255,3 +255,14 @@ def test_a_member_without_state_and_groups_with_their_own_eps():
     for score, mask in zip(scores, sent):
         assert torch.equal(mask, score >= threshold)
     assert int(sent[0].sum()) > 0 and int(sent[1].sum()) > 0
+
+
+def test_the_cuda_chooser_is_a_plain_compressor_and_k_is_cached():
+    # AdamChoice is made per bucket and step, holding that bucket's Members (and so its
+    # optimizer's exp_avg_sq): it must be a class, not a cache that keeps them alive; the
+    # cache belongs to k, which every bucket asks for every step.
+    from sparsecomm.compressors import AdamChoice, Compressor, _k_of
+
+    assert isinstance(AdamChoice, type) and issubclass(AdamChoice, Compressor)
+    assert AdamChoice(None, 3) is not AdamChoice(None, 3)
+    assert _k_of(0.01, 1000) == 10 and _k_of.cache_info().hits + _k_of.cache_info().misses > 0
