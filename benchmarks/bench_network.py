@@ -848,14 +848,11 @@ def agrees(pick: dict, fastest: dict) -> bool:
     return pick is fastest or pick["p20"] <= fastest["p80"]
 
 
-def _run_caps(bucket_cap_mb: float | None) -> tuple[float, float]:
+def _planner_caps(bucket_cap_mb: float | None) -> tuple[float, float]:
     """The sparsecomm rows' bucket sizes for ``--bucket-cap-mb`` (None: the library's)."""
-    import sparsecomm
+    from sparsecomm import plan as planner
 
-    if bucket_cap_mb is not None:
-        return bucket_cap_mb, bucket_cap_mb
-    dense = sparsecomm.Dense().default_bucket_cap_mb
-    return dense, sparsecomm.TopK(0.01).default_bucket_cap_mb
+    return planner.bucket_caps(bucket_cap_mb)
 
 
 def _bucket_cap(results: dict):
@@ -1078,7 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         # The bucket sizes the sparsecomm rows ran with, [dense rows, sparse rows] in MiB (so
         # that the planner check models this run with them, whatever the defaults become).
-        "config": dict(vars(args), bucket_caps=list(_run_caps(args.bucket_cap_mb))),
+        "config": dict(vars(args), bucket_caps=list(_planner_caps(args.bucket_cap_mb))),
         "rates": [],
     }
     print(

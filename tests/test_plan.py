@@ -903,4 +903,4 @@ def test_the_planner_check_models_a_run_with_its_own_bucket_sizes():
     assert bench._bucket_cap({"config": {"bucket_caps": [25.0, 100.0]}}) == (25.0, 100.0)
     assert bench._bucket_cap({"config": {"bucket_cap_mb": 25.0}}) == 25.0  # older runs
     assert bench._bucket_cap({"config": {}}) is None
-    assert bench._run_caps(None) == (25.0, 100.0) and bench._run_caps(7.0) == (7.0, 7.0)
+    assert bench._planner_caps(None) == (25.0, 100.0) and bench._planner_caps(7.0) == (7.0, 7.0)
