@@ -19,8 +19,9 @@ wrapping the optimizer (``Dense()``, ``Cast(bf16)``, ``Cast(fp16)``, ``TopK(d)``
 (reported as skipped while sparsecomm has no ``ddp_comm_hook``). A sparsecomm row may
 end in options, each after a ``/``: ``/stream`` (the engine's side CUDA stream), ``/noadopt``
 (buckets of one parameter copy their gradient instead of adopting it), ``/nographs``
-(``cuda_graphs=False``), ``/adam`` (``TopK(d, select="adam")``), e.g.
-``TopK(0.01)/nographs/stream``.
+(``cuda_graphs=False``), ``/adam`` (``TopK(d, select="adam")``), ``/cap<MiB>``
+(``bucket_cap_mb``: the optimizer's, or in a ``ddp+sc-`` row DDP's; ``/capinf``: no cap),
+e.g. ``TopK(0.01)/nographs/stream`` or ``ddp+sc-TopK(0.01)/cap100``.
 
 Each row builds a fresh model from the same seed, runs ``--warmup`` steps and times
 ``--steps`` (forward, backward, optimizer step, ``zero_grad``; the device synchronized
@@ -287,8 +288,10 @@ def build_row(name: str, workload: Workload, device) -> Built:
     module = model
     sent_bytes: Callable[[], int | None] = lambda: 0  # noqa: E731
     if name in ("DDP", "DDP+fp16") or name.startswith("ddp+sc-"):
+        # DDP's own default, 25 MiB; a hook row's /cap<MiB> sets DDP's bucket_cap_mb
+        (cap,) = [cap for cap in map(bucket_cap, split_options(name)[1]) if cap is not None] or [25]
         module = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25
+            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap
         )
         if name == "DDP":
             sent_bytes = lambda: 4 * numel  # noqa: E731
