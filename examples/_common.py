@@ -152,6 +152,12 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         help="testing: exit abruptly (os._exit, no cleanup) after step S, like a kill",
     )
     add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--log-update-rms",
+        action="store_true",
+        help="log each step's parameter change, its root mean square over every parameter "
+        "in units of the learning rate, as update_rms (costs a copy of the parameters a step)",
+    )
     parser.set_defaults(**defaults)
     return parser
 
@@ -256,6 +262,22 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
         momentum_correction=0.9 if args.momentum_correction else None,
         exchange=args.exchange,
     )
+
+
+def parameters_copy(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def update_rms(model: torch.nn.Module, before: list[torch.Tensor], lr: float) -> float:
+    """Root mean square of the step's change over every parameter element, over ``lr``: how
+    far a step moves the model (``docs/catchup.md``, "Where it fails"). Dense AdamW's is a
+    fraction of 1 (each coordinate moves at most about ``lr``); a burst credited at once
+    moves further."""
+    squares = sum(
+        float((p.detach() - b).double().square().sum()) for p, b in zip(model.parameters(), before)
+    )
+    count = sum(b.numel() for b in before)
+    return math.sqrt(squares / count) / lr if lr > 0 and count else 0.0
 
 
 def lr_at(args: argparse.Namespace, step: int) -> float:
@@ -521,6 +543,7 @@ def train(
             group["lr"] = lr_at(args, step)
         optimizer.zero_grad(set_to_none=True)
         loss_value = accumulate_gradients(optimizer, loss_at, step, args.accumulate)
+        before = parameters_copy(model) if args.log_update_rms else None
         optimizer.step()
         done = step + 1
         stats, total = optimizer.last_stats, optimizer.total_stats
@@ -535,6 +558,11 @@ def train(
             dense_mb=total.dense_bytes / 1e6,
             density=stats.density,
             bytes_sent=stats.bytes_sent,
+            **(
+                {}
+                if before is None
+                else {"update_rms": update_rms(model, before, lr_at(args, step))}
+            ),
         )
         if rank == 0 and (done % args.eval_every == 0 or done == args.steps):
             metrics = evaluate()

@@ -91,7 +91,8 @@ def test_digits_reports_accuracy_and_bytes(tmp_path):
     assert records[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
 
 
-def test_charlm_reports_validation_loss():
+def test_charlm_reports_validation_loss(tmp_path):
+    log = tmp_path / "charlm.jsonl"
     result = torchrun(
         "train_charlm.py",
         "--compressor",
@@ -104,11 +105,32 @@ def test_charlm_reports_validation_loss():
         "200000",
         "--val-batches",
         "2",
+        "--log-update-rms",
+        "--log-json",
+        str(log),
     )
     check_ok(result)
     loss = float(re.search(r"final val_loss=([0-9.]+)", result.stdout).group(1))
     assert 0 < loss < 6.0  # below log(256) = 5.55 plus a margin: it learned something or not
     assert re.search(r"rank 1: sent [0-9.]+ MB", result.stdout)
+    train = [r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "train"]
+    # AdamW's first step moves every coordinate with a gradient by lr (m_hat / sqrt(v_hat)
+    # is its sign), plus weight decay's lr * 0.01 * p: an RMS of at most about 1, above 0
+    rms = [r["update_rms"] for r in train]
+    assert len(rms) == 6 and 0 < rms[0] <= 1.02 and all(0 < x < 2 for x in rms), rms
+
+
+def test_update_rms_is_the_step_in_learning_rates():
+    common = _common()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1, bias=False))
+    before = common.parameters_copy(model)
+    with torch.no_grad():  # 10 elements: move 4 of them by 0.3, one by -0.6
+        model[0].weight[0].add_(0.3)
+        model[0].bias[1].add_(0.3)
+        model[1].weight[0, 1].sub_(0.6)
+    expected = ((4 * 0.3**2 + 0.6**2) / 10) ** 0.5 / 0.1
+    assert common.update_rms(model, before, lr=0.1) == pytest.approx(expected, rel=1e-6)
+    assert common.update_rms(model, common.parameters_copy(model), lr=0.1) == 0.0
 
 
 @pytest.mark.parametrize(
