@@ -14,7 +14,8 @@ default) with the same seed and flags, and write to the output directory (defaul
 - ``compare.png`` / ``charlm.png``: the metric against step and against megabytes sent
   (rank 0);
 - ``results.md`` / ``charlm.md``: the measured table (final metric, MB sent, ratio to
-  dense);
+  dense, and how far a step moved the model: the mean ``update_rms`` of the last third of
+  the steps, from the examples' ``--log-update-rms``);
 - ``<run>.jsonl`` and ``<run>.log`` (``charlm-<run>.*`` for charlm): each run's metrics and
   output.
 
@@ -162,8 +163,19 @@ def summarize(records: list[dict], metric: str = "test_accuracy") -> dict:
         "mb_sent": final["mb_sent"],
         "dense_mb": final["dense_mb"],
         "mean_density": sum(r["density"] for r in trains) / len(trains),
+        "step_rms": step_rms(trains),
         "evals": evals,
     }
+
+
+def step_rms(trains: list[dict]) -> float | None:
+    """Mean ``update_rms`` (``--log-update-rms``: a step's parameter change, root mean square
+    over the learning rate) over the last third of the steps; None if it was not logged."""
+    logged = [r["update_rms"] for r in trains if "update_rms" in r]
+    if not logged:
+        return None
+    tail = logged[len(logged) * 2 // 3 :]
+    return sum(tail) / len(tail)
 
 
 def _value(task: str, value: float) -> str:
@@ -188,18 +200,19 @@ def write_table(rows: list[tuple[str, dict, float]], args, path: Path) -> str:
         f"{head} MB sent: rank 0's payload into the collectives (StepStats.bytes_sent).",
         "",
         f"| run | final {metric} | vs dense | mean of last 3 evals | MB sent | ratio to dense | "
-        "mean density | wall s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "mean density | step RMS / lr, last third | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, s, seconds in rows:
         base = dense or s
         ratio = s["mb_sent"] / base["mb_sent"] if base["mb_sent"] else float("nan")
         gap = s["final"] - base["final"]
         gap = f"{100 * gap:+.2f}" if args.task == "digits" else f"{gap:+.4f}"
+        rms = "n/a" if s.get("step_rms") is None else f"{s['step_rms']:.3f}"
         lines.append(
             f"| {s['label']} | {_value(args.task, s['final'])} | {gap} | "
             f"{_value(args.task, s['last3'])} | {s['mb_sent']:.2f} | {ratio:.4f} "
-            f"(1/{1 / ratio:.1f}) | {100 * s['mean_density']:.2f}% | {seconds:.0f} |"
+            f"(1/{1 / ratio:.1f}) | {100 * s['mean_density']:.2f}% | {rms} | {seconds:.0f} |"
         )
     text = "\n".join(lines) + "\n"
     path.write_text(text)
@@ -316,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-every",
         str(args.eval_every),
         "--no-progress",
+        "--log-update-rms",
     ]
     rows = []
     for name in names:

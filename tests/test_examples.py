@@ -273,6 +273,21 @@ def test_compare_writes_plot_and_table(tmp_path):
     assert "| Dense fp32 |" in table and "| TopK(0.01) + EF |" in table
     dense_row = next(line for line in table.splitlines() if line.startswith("| Dense fp32"))
     assert "1.0000 (1/1.0)" in dense_row
+    header = next(line for line in table.splitlines() if line.startswith("| run"))
+    column = [c.strip() for c in header.split("|")].index("step RMS / lr, last third")
+    for row in (line for line in table.splitlines() if line.startswith(("| Dense", "| TopK"))):
+        assert float(row.split("|")[column]) > 0, row  # logged by every run
+
+
+def test_step_rms_averages_the_last_third_of_the_steps():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    trains = [{"step": i, "update_rms": float(i)} for i in range(1, 10)]
+    assert compare.step_rms(trains) == pytest.approx((7 + 8 + 9) / 3)
+    assert compare.step_rms([{"step": 1}]) is None  # a run without --log-update-rms
 
 
 def test_accumulate_sends_once_per_step_and_keeps_ranks_in_sync():
