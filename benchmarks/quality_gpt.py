@@ -45,7 +45,17 @@ RECIPES = {
         lambda w: sparsecomm.TopK(0.01, warmup_steps=w),
         {"exchange": "updates"},
     ),
+    "topk-updates-dense-warmup": (
+        "TopK(0.01), updates + dense warm-up (d+c)",
+        lambda w: sparsecomm.TopK(0.01, warmup_steps=w, warmup="dense"),
+        {"exchange": "updates"},
+    ),
     "topk-0.001": ("TopK(0.001), gradients (a)", lambda w: sparsecomm.TopK(0.001), {}),
+    "topk-0.001-updates-dense-warmup": (
+        "TopK(0.001), updates + dense warm-up (d+c)",
+        lambda w: sparsecomm.TopK(0.001, warmup_steps=w, warmup="dense"),
+        {"exchange": "updates"},
+    ),
     "topk-0.001-updates-warmup": (
         "TopK(0.001), updates + warm-up (d+b)",
         lambda w: sparsecomm.TopK(0.001, warmup_steps=w),
