@@ -848,13 +848,6 @@ def agrees(pick: dict, fastest: dict) -> bool:
     return pick is fastest or pick["p20"] <= fastest["p80"]
 
 
-def _planner_caps(bucket_cap_mb: float | None) -> tuple[float, float]:
-    """The sparsecomm rows' bucket sizes for ``--bucket-cap-mb`` (None: the library's)."""
-    from sparsecomm import plan as planner
-
-    return planner.bucket_caps(bucket_cap_mb)
-
-
 def _bucket_cap(results: dict):
     """The bucket sizes a stored run's sparsecomm rows used, for the planner's model: its
     ``bucket_caps`` ([dense rows, sparse rows]), else its ``--bucket-cap-mb`` (runs before
@@ -1070,12 +1063,14 @@ def main(argv: list[str] | None = None) -> int:
     script = __file__ if script.startswith("..") else script
     command = "python " + shlex.join([script, *(sys.argv[1:] if argv is None else argv)])
     started = time.perf_counter()
+    from sparsecomm import plan as planner
+
     results = {
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         # The bucket sizes the sparsecomm rows ran with, [dense rows, sparse rows] in MiB (so
         # that the planner check models this run with them, whatever the defaults become).
-        "config": dict(vars(args), bucket_caps=list(_planner_caps(args.bucket_cap_mb))),
+        "config": dict(vars(args), bucket_caps=list(planner.bucket_caps(args.bucket_cap_mb))),
         "rates": [],
     }
     print(

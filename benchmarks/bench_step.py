@@ -241,6 +241,12 @@ def bucket_cap(knob: str) -> float | None:
     return None if match is None else float(match.group(1))
 
 
+def knob_cap(knobs: set[str], default: float | None) -> float | None:
+    """The row's ``/cap<MiB>`` (``split_options`` allows one at most), else ``default``."""
+    caps = [cap for cap in map(bucket_cap, knobs) if cap is not None]
+    return caps[0] if caps else default
+
+
 def make_compressor(name: str) -> sparsecomm.Compressor:
     name, knobs = split_options(name)
     fixed = {
@@ -289,7 +295,7 @@ def build_row(name: str, workload: Workload, device) -> Built:
     sent_bytes: Callable[[], int | None] = lambda: 0  # noqa: E731
     if name in ("DDP", "DDP+fp16") or name.startswith("ddp+sc-"):
         # DDP's own default, 25 MiB; a hook row's /cap<MiB> sets DDP's bucket_cap_mb
-        (cap,) = [cap for cap in map(bucket_cap, split_options(name)[1]) if cap is not None] or [25]
+        cap = knob_cap(split_options(name)[1], default=25)
         module = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap
         )
@@ -317,7 +323,7 @@ def build_row(name: str, workload: Workload, device) -> Built:
     else:
         # Built before the first backward: the exchange may run in backward hooks.
         _, knobs = split_options(name)
-        (cap,) = [cap for cap in map(bucket_cap, knobs) if cap is not None] or [None]
+        cap = knob_cap(knobs, default=None)
         optimizer = sparsecomm.CompressedOptimizer(
             workload.make_optimizer(list(model.parameters())),
             make_compressor(name),

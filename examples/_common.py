@@ -270,9 +270,9 @@ def parameters_copy(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def update_rms(model: torch.nn.Module, before: list[torch.Tensor], lr: float) -> float:
     """Root mean square of the step's change over every parameter element, over ``lr``: how
-    far a step moves the model (``docs/catchup.md``, "Where it fails"). Dense AdamW's is a
-    fraction of 1 (each coordinate moves at most about ``lr``); a burst credited at once
-    moves further."""
+    far a step moves the model (``docs/catchup.md``, "Why: how far a step moves the
+    model"). Dense AdamW's is a fraction of 1 (each coordinate moves at most about ``lr``);
+    a burst credited at once moves further."""
     squares = sum(
         float((p.detach() - b).double().square().sum()) for p, b in zip(model.parameters(), before)
     )

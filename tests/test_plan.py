@@ -17,6 +17,7 @@ import pytest
 from sparsecomm.plan import (
     allgather_bytes,
     allreduce_bytes,
+    bucket_caps,
     comm_time,
     crossover_density,
     format_plan,
@@ -903,4 +904,5 @@ def test_the_planner_check_models_a_run_with_its_own_bucket_sizes():
     assert bench._bucket_cap({"config": {"bucket_caps": [25.0, 100.0]}}) == (25.0, 100.0)
     assert bench._bucket_cap({"config": {"bucket_cap_mb": 25.0}}) == 25.0  # older runs
     assert bench._bucket_cap({"config": {}}) is None
-    assert bench._planner_caps(None) == (25.0, 100.0) and bench._planner_caps(7.0) == (7.0, 7.0)
+    # what main() stores as a run's bucket_caps
+    assert bucket_caps(None) == (25.0, 100.0) and bucket_caps(7.0) == (7.0, 7.0)
