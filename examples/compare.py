@@ -4,8 +4,7 @@
 Cast(bf16), TopK with and without error feedback, TopK with a density warm-up, TopK with
 DGC momentum correction and Threshold. ``--task charlm`` runs ``train_charlm.py`` (AdamW)
 for dense fp32 and the AdamW recipes: TopK into AdamW as it is, with the exponential density
-warm-up, with a dense warm-up, with ``exchange="updates"`` (with AdamW, and with
-``PerRankAdamW`` under either warm-up), with ``CatchUpAdamW`` in
+warm-up, with a dense warm-up, with ``exchange="updates"``, with ``CatchUpAdamW`` in
 place of AdamW (each alone and with either warm-up), and with ``TopK(select="adam")``
 (the choice in Adam's units) under the exponential warm-up, with AdamW and CatchUpAdamW.
 Each TopK run is repeated for every ``--density``. All runs use torchrun (2 ranks by
@@ -62,7 +61,6 @@ def run_specs(
     exp = ["--density-warmup", str(warmup)]
     dense = [*exp, "--density-warmup-shape", "dense"]
     catchup = ["--optimizer", "catchup-adamw"]
-    per_rank = ["--optimizer", "per-rank-adamw"]
     adam = ["--select", "adam"]  # TopK(select="adam")
     if task == "digits":
         variants = [
@@ -90,16 +88,6 @@ def run_specs(
                 "topk-updates-dense-warmup",
                 f"+ EF, updates, dense warm-up {warmup} (d+c)",
                 ["--exchange", "updates", *dense],
-            ),
-            (
-                "topk-per-rank-warmup",
-                f"+ EF, updates, PerRankAdamW, exp. warm-up {warmup} (f+b)",
-                ["--exchange", "updates", *per_rank, *exp],
-            ),
-            (
-                "topk-per-rank-dense-warmup",
-                f"+ EF, updates, PerRankAdamW, dense warm-up {warmup} (f+c)",
-                ["--exchange", "updates", *per_rank, *dense],
             ),
             ("topk-catchup", "+ EF, CatchUpAdamW (e)", catchup),
             (

@@ -315,9 +315,7 @@ def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
         out,
         *("--task", "charlm", "--steps", "4", "--eval-every", "2"),
         *("--density", "0.01", "0.001", "--density-warmup", "2"),
-        "--runs",
-        *("dense", "topk-updates-warmup-0.001", "topk-catchup-adam-warmup-0.001"),
-        "topk-per-rank-dense-warmup-0.001",
+        *("--runs", "dense", "topk-updates-warmup-0.001", "topk-catchup-adam-warmup-0.001"),
     )
     assert (out / "charlm.png").stat().st_size > 10_000
     assert not (out / "results.md").exists()  # the digits table is left alone
@@ -332,11 +330,6 @@ def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
     log = (out / "charlm-topk-catchup-adam-warmup-0.001.jsonl").read_text().splitlines()
     config = next(json.loads(line) for line in log if '"config"' in line)
     assert "select='adam'" in config["compressor"] and config["optimizer"] == "catchup-adamw"
-    log = (out / "charlm-topk-per-rank-dense-warmup-0.001.jsonl").read_text().splitlines()
-    config = next(json.loads(line) for line in log if '"config"' in line)
-    assert config["optimizer"] == "per-rank-adamw" and config["exchange"] == "updates"
-    assert "warmup='dense'" in config["compressor"]
-    assert "PerRankAdamW, dense warm-up 2 (f+c)" in table
 
 
 def test_select_adam_needs_an_adam_optimizer_and_gradients():
