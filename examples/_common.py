@@ -99,12 +99,10 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
         "--optimizer",
-        choices=("sgd", "adamw", "catchup-adamw", "per-rank-adamw"),
+        choices=("sgd", "adamw", "catchup-adamw"),
         default="sgd",
-        help="wrapped optimizer: SGD with momentum 0.9, AdamW, sparsecomm.CatchUpAdamW "
-        "(AdamW that credits a coordinate the steps it waited to be sent), or "
-        "sparsecomm.PerRankAdamW (AdamW whose ranks' steps average to dense AdamW's; "
-        "with --exchange updates)",
+        help="wrapped optimizer: SGD with momentum 0.9, AdamW, or sparsecomm.CatchUpAdamW "
+        "(AdamW that credits a coordinate the steps it waited to be sent)",
     )
     add("--lr", type=float, default=0.05, help="peak learning rate")
     add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
@@ -184,11 +182,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--momentum-correction works on gradients, not with --exchange updates")
     if args.momentum_correction and args.optimizer != "sgd":
         parser.error("--momentum-correction is SGD momentum: it needs --optimizer sgd")
-    if args.optimizer == "per-rank-adamw" and args.exchange != "updates":
-        parser.error(
-            "--optimizer per-rank-adamw scales each rank's own step for the average over "
-            "ranks: it needs --exchange updates (with gradients, use --optimizer adamw)"
-        )
     if args.select == "adam" and (args.optimizer == "sgd" or args.exchange == "updates"):
         parser.error(
             "--select adam reads the optimizer's second moment: it needs --optimizer adamw or "
@@ -258,11 +251,7 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
             model.parameters(), lr=args.lr, momentum=momentum, weight_decay=args.weight_decay
         )
     else:
-        adamw = {
-            "adamw": torch.optim.AdamW,
-            "catchup-adamw": sparsecomm.CatchUpAdamW,
-            "per-rank-adamw": sparsecomm.PerRankAdamW,
-        }[args.optimizer]
+        adamw = torch.optim.AdamW if args.optimizer == "adamw" else sparsecomm.CatchUpAdamW
         inner = adamw(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return sparsecomm.CompressedOptimizer(
         inner,

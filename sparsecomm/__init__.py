@@ -4,9 +4,8 @@ Wrap any ``torch.optim`` optimizer in :class:`CompressedOptimizer` and pick a co
 :class:`Dense`, :class:`Cast`, :class:`Threshold` or :class:`TopK`; or keep
 ``DistributedDataParallel`` and register :func:`ddp_comm_hook`'s hook on it. Behind a sparse
 compressor under AdamW, wrap :class:`CatchUpAdamW` (it credits a coordinate the steps it waited
-to be sent); under ``exchange="updates"``, wrap :class:`PerRankAdamW` (each rank's step scaled
-so that the ranks' average is dense AdamW's). The compression kernels live in
-``sparsecomm.triton_kernels`` (Triton for CUDA tensors, torch references on CPU).
+to be sent). The compression kernels live in ``sparsecomm.triton_kernels`` (Triton for CUDA
+tensors, torch references on CPU).
 """
 
 from ._stats import StepStats
@@ -14,14 +13,12 @@ from .catchup import CatchUpAdamW
 from .compressors import Cast, Compressor, Dense, Threshold, TopK
 from .ddp import DDPCommHookState, ddp_comm_hook
 from .optimizer import CompressedOptimizer, NonFiniteGradientError, StepDroppedError
-from .per_rank import PerRankAdamW
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompressedOptimizer",
     "CatchUpAdamW",
-    "PerRankAdamW",
     "Compressor",
     "Dense",
     "Cast",

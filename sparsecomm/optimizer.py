@@ -21,7 +21,6 @@ from ._engine import BucketEngine, build_buckets, cap_numel
 from ._stats import StepStats
 from .catchup import CatchUpAdamW
 from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
-from .per_rank import PerRankAdamW
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
 
@@ -195,11 +194,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
             or _check_momentum_correction(optimizer, momentum_correction)
             or _check_exchange(exchange, momentum_correction)
-            or _check_per_rank(optimizer, exchange, self._comm.world_size)
             or _check_selection(optimizer, compressor, exchange)
         )  # fmt: skip
-        if isinstance(optimizer, PerRankAdamW) and optimizer.world_size is None:
-            optimizer.world_size = self._comm.world_size  # the ranks whose steps are averaged
         self.optimizer = optimizer
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
@@ -1160,24 +1156,6 @@ def _check_exchange(exchange, momentum_correction) -> Exception | None:
         return ValueError(
             "momentum_correction works on gradients; with exchange='updates' the wrapped "
             "optimizer's own momentum runs on each rank before compression already"
-        )
-    return None
-
-
-def _check_per_rank(optimizer, exchange, world_size) -> Exception | None:
-    if not isinstance(optimizer, PerRankAdamW):
-        return None
-    if exchange != "updates":
-        return ValueError(
-            "PerRankAdamW is for exchange='updates' (each rank steps on its own gradient); "
-            "with exchange='gradients' every rank steps on the averaged gradient already: "
-            "wrap torch.optim.AdamW there, or pass exchange='updates'"
-        )
-    if optimizer.world_size not in (None, world_size):
-        return ValueError(
-            f"PerRankAdamW was built with world_size={optimizer.world_size}, and this "
-            f"CompressedOptimizer averages over {world_size} ranks: leave world_size=None "
-            "(the wrapper sets it) or pass the process group's size"
         )
     return None
 

@@ -35,8 +35,6 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     if name == "catchup":
         return sparsecomm.CatchUpAdamW(params, lr=1e-3, weight_decay=0.01)
-    if name == "per-rank-updates":  # with exchange="updates" (see wrap)
-        return sparsecomm.PerRankAdamW(params, lr=1e-3, weight_decay=0.01)
     raise ValueError(name)
 
 
@@ -66,7 +64,7 @@ def wrap(model, compressor, optimizer="sgd", **kwargs):
         compressor=compressor,
         bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # ~2600 elements: several buckets
         momentum_correction=0.9 if optimizer == "dgc" else None,
-        exchange="updates" if optimizer.endswith("-updates") else "gradients",
+        exchange="updates" if optimizer == "adamw-updates" else "gradients",
         **kwargs,
     )
 
@@ -313,16 +311,3 @@ def residual_is_unscaled(rank, world_size):
         scaler.update()
         out.append(torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()]))
     return out
-
-
-# ------------------------------------------------------------------ PerRankAdamW
-
-
-def per_rank_world_size(rank, world_size):
-    """The world size CompressedOptimizer gives a PerRankAdamW built without one, and the
-    parameters after a few steps of ``exchange="updates"``."""
-    model = make_model(seed=0)
-    opt = wrap(model, sparsecomm.TopK(0.05), "per-rank-updates")
-    for step in range(3):
-        train_step(model, opt, rank, step)
-    return opt.optimizer.world_size, flat_params(model)

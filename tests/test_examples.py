@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import sparsecomm
-
 pytest.importorskip(
     "sklearn", reason="the digits example needs scikit-learn: pip install scikit-learn"
 )
@@ -340,16 +338,3 @@ def test_select_adam_needs_an_adam_optimizer_and_gradients():
         with pytest.raises(SystemExit):
             common.check_args(parser, args)
     common.check_args(parser, parser.parse_args(["--select", "adam", "--optimizer", "adamw"]))
-
-
-def test_per_rank_adamw_needs_update_exchange():
-    common = _common()
-    parser = common.make_parser("test")
-    args = parser.parse_args(["--optimizer", "per-rank-adamw"])
-    with pytest.raises(SystemExit):
-        common.check_args(parser, args)
-    args = parser.parse_args(["--optimizer", "per-rank-adamw", "--exchange", "updates"])
-    common.check_args(parser, args)
-    model = torch.nn.Linear(40, 40)
-    opt = common.make_optimizer(args, model)
-    assert isinstance(opt.optimizer, sparsecomm.PerRankAdamW) and opt.exchange == "updates"

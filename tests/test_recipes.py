@@ -357,7 +357,6 @@ def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
         (sparsecomm.TopK(0.05, warmup_steps=15, warmup="dense"), "adamw"),
         (sparsecomm.Dense(), "dgc"),
         (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
-        (sparsecomm.TopK(0.05, warmup_steps=15, warmup="dense"), "per-rank-updates"),
         (sparsecomm.TopK(0.05), "catchup"),
         (sparsecomm.TopK(0.05, warmup_steps=15, select="adam"), "catchup"),
         (sparsecomm.TopK(0.05, select="adam"), "adamw"),
