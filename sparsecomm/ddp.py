@@ -131,9 +131,11 @@ class DDPCommHookState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` saved by this rank (before the first backward of a
-        new DDP model). Everything is checked first; a mismatch raises ``ValueError``
-        naming it and changes nothing."""
+        """Load a :meth:`state_dict` saved by this rank, between iterations: in new
+        processes (before or after a first backward) or in the one that saved it.
+        Everything is checked first; a mismatch raises ``ValueError`` naming it and
+        changes nothing. A residual whose size does not match its parameter (a state saved
+        for another model) raises ``ValueError`` when DDP first hands that parameter over."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 "DDPCommHookState.load_state_dict: not a saved hook state (format "
@@ -168,7 +170,9 @@ class DDPCommHookState:
                 )
         self.iteration = int(state["iteration"])
         self._loose = {int(k): r.clone() for k, r in residuals.items()}
-        self.residuals, self.nonfinite, self._layouts, self._keys = {}, {}, {}, {}
+        # Keys already given (the hook ran in this process) stay: they were given in DDP's
+        # first layout, as the saving process gave its own, whatever layout DDP uses now.
+        self.residuals, self.nonfinite, self._layouts = {}, {}, {}
 
     def _layout_of(self, bucket) -> list[tuple[int, int]]:
         layout = []
@@ -178,7 +182,13 @@ class DDPCommHookState:
         return layout
 
     def _loosen_all(self) -> None:
-        """Split every bucket's residual into per-parameter pieces (in ``_loose``)."""
+        """Split every bucket's residual into per-parameter pieces (in ``_loose``); a
+        residual whose last message held NaN or Inf is dropped first, as its next use would
+        have dropped it."""
+        for index, flag in self.nonfinite.items():
+            if flag.is_set():
+                self.residuals[index].zero_()
+        self.nonfinite = {}
         for index, residual in self.residuals.items():
             offset = 0
             for key, numel in self._layouts[index]:
@@ -199,6 +209,13 @@ class DDPCommHookState:
             pieces = []
             for key, numel in layout:
                 piece = self._loose.pop(key, None)
+                if piece is not None and piece.numel() != numel:
+                    raise ValueError(
+                        f"DDPCommHookState: the loaded residual of parameter {key} (in the "
+                        f"order DDP first hands parameters to the hook) has {piece.numel()} "
+                        f"elements, but that parameter has {numel}: the state was saved for "
+                        "another model; load the state saved with this model, or none"
+                    )
                 pieces.append(
                     torch.zeros(numel, dtype=torch.float32, device=grad.device)
                     if piece is None

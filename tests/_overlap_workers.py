@@ -288,6 +288,40 @@ def ddp_hook_residual_buffers(rank, world_size, compressor, steps):
     return addresses
 
 
+def ddp_hook_under_grad_scaler(rank, world_size, hooked, overflow_at, steps, path, cap):
+    """DDP (``cap`` MiB buckets) under ``GradScaler``, with ``TopK(0.1)``'s hook or without
+    one; rank 0's loss overflows at each step of ``overflow_at``. Returns the scale after
+    each step and, with the hook, why its state, saved after the last step to ``path``,
+    did not load into a new hook state (None: it loaded)."""
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+    state = None
+    if hooked:
+        state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1))
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scales = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        if step in overflow_at and rank == 0:
+            x[0] = float("inf")  # NaN in more of the gradient than TopK sends
+        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    refused = None
+    if state is not None:
+        torch.save(state.state_dict(), f"{path}/hook_rank{rank}.pt")
+        fresh, _ = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1))
+        try:
+            fresh.load_state_dict(torch.load(f"{path}/hook_rank{rank}.pt", weights_only=True))
+        except ValueError as error:
+            refused = str(error)
+    return scales, refused
+
+
 def ddp_hook_dense_matches_ddp(rank, world_size, steps):
     plain, hooked = make_model(), make_model()
     _ddp_train(rank, plain, None, steps)
@@ -316,9 +350,17 @@ def ddp_hook_resume(rank, world_size, directory, phase, save_at, steps, cap):
         return flat(model), state.state_dict()["residuals"]
     saved = torch.load(path, weights_only=True)
     model.load_state_dict(saved["model"])
-    state.load_state_dict(saved["hook"])
+    if phase == "second":
+        state.load_state_dict(saved["hook"])
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
     ddp.register_comm_hook(state, hook)
+    if phase == "after-a-backward":
+        # A backward before the load (DDP rebuilds its buckets after it): the loaded
+        # residuals still go to the parameters they were saved for.
+        x, y = batch(rank, 10 * save_at)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        ddp.zero_grad()
+        state.load_state_dict(saved["hook"])
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     opt.load_state_dict(saved["opt"])
     for step in range(save_at, steps):

@@ -255,6 +255,46 @@ def test_ddp_hook_carries_residuals_through_a_layout_change(tmp_path):
     assert torch.equal(resumed[0][0], resumed[1][0])
 
 
+def test_ddp_hook_resumes_bitwise_when_loaded_after_a_backward(tmp_path):
+    """Several DDP buckets, and a backward in the new processes before the load (DDP then
+    rebuilds its buckets): every residual still goes back to its own parameter, and the
+    run is bitwise the one that never stopped."""
+    args = (str(tmp_path), 3, 6, 0.01)
+    full = run_ranks(w.ddp_hook_resume, 2, args[0], "full", *args[1:])
+    run_ranks(w.ddp_hook_resume, 2, args[0], "first", *args[1:])
+    resumed = run_ranks(w.ddp_hook_resume, 2, args[0], "after-a-backward", *args[1:])
+    for rank in range(2):
+        (a, residual_a), (b, residual_b) = full[rank], resumed[rank]
+        assert torch.equal(a, b), f"rank {rank}: {_diff(a, b)}"
+        assert all(torch.equal(residual_a[k], residual_b[k]) for k in residual_a)
+
+
+@pytest.mark.parametrize("cap", [0.01, 25], ids=["several-buckets", "one-bucket"])
+def test_ddp_hook_under_grad_scaler_skips_once_per_overflow(tmp_path, cap):
+    """An overflow skips one step with the hook, as without it, at DDP's first iteration
+    (before its bucket rebuild, which with one bucket changes its layout) and later; a
+    state saved right after an overflow holds finite residuals and loads."""
+    args = ((0, 3, 5), 6, str(tmp_path), cap)
+    plain = run_ranks(w.ddp_hook_under_grad_scaler, 2, False, *args)
+    hooked = run_ranks(w.ddp_hook_under_grad_scaler, 2, True, *args)
+    assert plain[0][0] == [512.0, 512.0, 512.0, 256.0, 256.0, 128.0]
+    for rank in range(2):
+        scales, refused = hooked[rank]
+        assert scales == plain[0][0]
+        assert refused is None
+        saved = torch.load(tmp_path / f"hook_rank{rank}.pt", weights_only=True)
+        assert all(torch.isfinite(r).all() for r in saved["residuals"].values())
+
+
+def test_ddp_hook_refuses_a_residual_of_another_model():
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
+    hook(state, _Bucket(torch.linspace(1, 2, 10))).wait()
+    other, other_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
+    other.load_state_dict(state.state_dict())
+    with pytest.raises(ValueError, match="has 10 elements, but that parameter has 12"):
+        other_hook(other, _Bucket(torch.zeros(12)))
+
+
 class _Bucket:
     """Just enough of torch.distributed.GradBucket for the hook on one process."""
 
