@@ -223,6 +223,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._raise_agreed(_check_params(params, start=0))
         self._agree_on_model(params, start=0)
         self._params = params
+        self._frozen = _frozen_positions(params)
         for param in self._params:
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
@@ -494,6 +495,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "optimizer steps before the ranks' scalers could agree); use the default "
                 "exchange='gradients'"
             )
+        self._check_frozen()
         params = [p for p in self._params if p.grad is not None]
         refusal = self._agree_gradients_finite(dropped=self._drop_pending)
         self._drop_pending = False
@@ -559,6 +561,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # The list, not the caller's iterator, which reading it has used up.
         self.optimizer.add_param_group({**param_group, "params": new_params})
         self._params = self._all_params()
+        self._frozen = _frozen_positions(self._params)
         for param in self._params[start:]:
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
@@ -580,6 +583,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "error_feedback": self.error_feedback,
                 "min_compress_numel": self.min_compress_numel,
                 "shapes": [list(p.shape) for p in self._params],
+                "frozen": list(self._frozen),  # no gradient, so no residual
                 "residuals": self._residuals_by_position(),
                 "total_stats": self.total_stats.as_dict(),
                 "steps_taken": self._steps_taken,
@@ -632,6 +636,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "the last inside `with opt.no_sync():`"
             )
         if not self._callback_queued:
+            self._check_frozen()  # before this backward sends anything
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         if torch.is_grad_enabled():  # backward(create_graph=True)
@@ -652,6 +657,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (:meth:`drop_step`)."""
         if self._synchronized:
             return
+        self._check_frozen()
         found_inf = self._unscale(grad_scaler) if grad_scaler is not None else []
         engine = self._engine
         engine.launch_all()
@@ -679,6 +685,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._refusal = refusal
         self._step_stats = stats
         self._synchronized = True
+
+    def _check_frozen(self) -> None:
+        """Raise, before anything is sent, if a parameter that did not require grad when
+        it was wrapped requires it now: it has no hook and no bucket, so its gradient would
+        stay this rank's own and the ranks' parameters would drift apart."""
+        for position in self._frozen:
+            param = self._params[position]
+            if param.requires_grad:
+                raise RuntimeError(
+                    f"parameter {position} ({_describe(_entry(param))}) did not require grad "
+                    "when CompressedOptimizer wrapped it and requires it now, so its gradient "
+                    "would not be exchanged. After changing requires_grad, wrap the optimizer "
+                    "again on every rank, keeping the residuals: `state = opt.state_dict(); "
+                    "opt = sparsecomm.CompressedOptimizer(opt.optimizer, ...the same "
+                    "arguments...); opt.load_state_dict(state)`"
+                )
 
     def _finish_step(self, skipped: bool) -> None:
         stats = self._step_stats
@@ -959,9 +981,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self.momentum_correction,
                 self.exchange,
             ],
-            "params": [
-                [list(p.shape), str(p.dtype), p.requires_grad, p.device.type] for p in params
-            ],
+            "params": [_entry(p) for p in params],
         }
         everyone = self._comm.all_gather_object(mine)
         first = everyone[0]
@@ -1045,9 +1065,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"parameter), got {count}"
             )
         kept = self._residuals_by_position()
+        frozen_then = ours.get("frozen", [])
+        if not isinstance(frozen_then, (list, tuple)) or not all(
+            isinstance(p, int) for p in frozen_then
+        ):
+            raise refuse(f"'frozen' must be a list of parameter positions, got {frozen_then!r}")
+        frozen_then = set(frozen_then)
         for position, (saved, param) in enumerate(zip(residuals, self._params)):
             if saved is None:
-                if kept[position] is not None:
+                # A parameter that needed no gradient when saved had nothing to keep.
+                if kept[position] is not None and position not in frozen_then:
                     raise refuse(
                         f"residual {position} is None, but this optimizer keeps one for "
                         "that parameter (the checkpoint would lose what it had not sent)"
@@ -1055,6 +1082,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 continue
             if not torch.is_tensor(saved):
                 raise refuse(f"residual {position} is a {type(saved).__name__}, not a tensor")
+            if kept[position] is None and not param.requires_grad:
+                continue  # frozen since it was saved: its unsent gradient has no use now
             if kept[position] is None:
                 raise refuse(
                     f"residual {position} is saved, but this optimizer keeps none for that "
@@ -1108,6 +1137,16 @@ def _first_difference(first: list, other: list, start: int = 0, rank: int | None
                 f"on {who}"
             )
     return f"{base} has {start + len(first)} parameters but {who} has {start + len(other)}"
+
+
+def _entry(param: torch.Tensor) -> list:
+    """How :func:`_describe` and the ranks' agreement on the model see a parameter."""
+    return [list(param.shape), str(param.dtype), param.requires_grad, param.device.type]
+
+
+def _frozen_positions(params: list[torch.Tensor]) -> list[int]:
+    """Positions of the parameters that need no gradient (they get no hook, no bucket)."""
+    return [position for position, param in enumerate(params) if not param.requires_grad]
 
 
 def _describe(entry) -> str:

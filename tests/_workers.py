@@ -277,6 +277,35 @@ def unused_parameters(rank, world_size):
     return flat_params(model), head_grads_none, middle_has_grad
 
 
+def unfrozen_after_wrapping(rank, world_size):
+    """The first layer frozen when wrapped and unfrozen after two steps: the next
+    backward raises before it sends anything; wrapping again as the error says, with the
+    state of the first wrapper, trains every layer in sync. Returns the error, whether
+    the residuals of the third layer carried over, and the parameters."""
+    model = make_model(seed=0)
+    model[0].requires_grad_(False)
+    opt = wrap(model, sparsecomm.TopK(0.1), "sgd")
+    for step in range(2):
+        train_step(model, opt, rank, step)
+    model[0].requires_grad_(True)
+    x, y = batch(rank, 2)
+    error = None
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    except RuntimeError as caught:
+        error = str(caught)
+    opt.zero_grad()
+    kept = opt.residual(model[2].weight).clone()
+    state = opt.state_dict()
+    opt = sparsecomm.CompressedOptimizer(opt.optimizer, sparsecomm.TopK(0.1), bucket_cap_mb=0.01)
+    opt.load_state_dict(state)
+    carried = torch.equal(opt.residual(model[2].weight), kept)
+    first = model[0].weight.detach().clone()
+    for step in range(2, 4):
+        train_step(model, opt, rank, step)
+    return error, carried, not torch.equal(model[0].weight, first), flat_params(model)
+
+
 def grad_scaler_overflow(rank, world_size):
     model = make_model(seed=0)
     opt = wrap(model, sparsecomm.TopK(0.05), "sgd")

@@ -299,6 +299,20 @@ def test_add_param_group_keeps_residuals_and_compresses_new_params():
     assert opt.residual(extra.weight).abs().sum() > 0
 
 
+@pytest.mark.parametrize("exchange", ["gradients", "updates"])
+def test_a_parameter_unfrozen_after_wrapping_is_refused_before_anything_is_sent(exchange):
+    """On the first step (no overlap yet) step() raises; nothing changes."""
+    model = small_model()
+    model[0].requires_grad_(False)
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1), exchange=exchange)
+    model[0].requires_grad_(True)
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"parameter 0 \(float32 \(50, 40\) on cpu\)"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_bf16_parameters_keep_fp32_residuals():
     model = small_model().to(torch.bfloat16)
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), min_compress_numel=0)

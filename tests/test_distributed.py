@@ -262,6 +262,15 @@ def test_unused_parameters_on_one_rank():
         assert torch.equal(params, results[0][0])
 
 
+def test_a_parameter_unfrozen_after_wrapping_is_refused_until_wrapped_again():
+    results = run_ranks(_workers.unfrozen_after_wrapping, 2, timeout=60)
+    for error, carried, first_layer_moved, params in results:
+        assert error is not None and "parameter 0" in error and "wrap the optimizer again" in error
+        assert carried, "wrapping again with the old state keeps the residuals"
+        assert first_layer_moved
+        assert torch.equal(params, results[0][3])
+
+
 def test_grad_scaler_overflow_on_one_rank_skips_everywhere():
     results = run_ranks(_workers.grad_scaler_overflow, 2, timeout=60)
     for scales, skipped, residual_finite, params, skipped_steps in results:
