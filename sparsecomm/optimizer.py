@@ -237,6 +237,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
+        # synchronize()'s GradScaler (False: it was given none; None: not synchronize())
+        self._synchronized_by_scaler = None
         self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
         self._template: torch.Tensor | None = None  # for _flags_template
         #: The step's refusal, agreed by every rank (None: the step is good).
@@ -375,21 +377,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # counts the step as skipped.
 
     @torch.no_grad()
-    def synchronize(self) -> None:
+    def synchronize(self, grad_scaler=None) -> None:
         """Finish this step's exchange now: afterwards ``p.grad`` holds the average, and
         ``step()`` only steps the wrapped optimizer. Backward already does this when it
         sends buckets itself; call it where it does not (the first step, ``overlap=False``,
-        gradients assigned by hand) before you read or change ``p.grad``, e.g. to clip.
+        every step under ``GradScaler``, gradients assigned by hand) before you read or
+        change ``p.grad``, e.g. to clip.
 
-        Collective: every rank must call it. Raises :class:`NonFiniteGradientError` as
-        ``step()`` does (the step is then dropped on every rank)."""
+        Args:
+            grad_scaler: the ``torch.amp.GradScaler`` that scaled the loss, if any:
+                ``scaler.unscale_(opt); opt.synchronize(scaler); clip...; scaler.step(opt)``.
+                The gradients are unscaled first (unless ``unscale_`` did it), and a
+                non-finite gradient on any rank makes ``scaler.step`` skip on every rank.
+
+        Collective: every rank must call it. Without a scaler it raises
+        :class:`NonFiniteGradientError` as ``step()`` does (the step is then dropped on
+        every rank)."""
         if self.exchange == "updates":
             raise RuntimeError(
                 "synchronize() exchanges gradients; with exchange='updates' the exchange "
                 "happens inside step(), after the wrapped optimizer has stepped"
             )
-        self._synchronize(grad_scaler=None)
-        if self._refusal is not None:
+        if grad_scaler is not None:
+            self._adopt_scaler(grad_scaler)
+        self._synchronize(grad_scaler)
+        self._synchronized_by_scaler = grad_scaler if grad_scaler is not None else False
+        if self._refusal is not None and grad_scaler is None:
             refusal = self._refusal
             self._finish_step(skipped=True)
             raise refusal
@@ -461,18 +474,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._step_updates(grad_scaler)
             return loss
         if grad_scaler is not None:
-            self._scaler_seen = True
-            if self._synchronized and self._step_stats.steps:
-                # Sent during backward, before this scaler was known: in scaled units.
-                self._finish_step(skipped=True)
-                self._overlapping = False
-                raise RuntimeError(
-                    "torch.amp.GradScaler was first used after the first step, while "
-                    "gradients were already being sent during backward in scaled units. "
-                    "Use the scaler from the first step on, or construct "
-                    "CompressedOptimizer(..., overlap=False)"
-                )
-            self._overlapping = False
+            self._adopt_scaler(grad_scaler)
         self._synchronize(grad_scaler)
         if self._refusal is not None:
             refusal = self._refusal
@@ -484,6 +486,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
+
+    def _adopt_scaler(self, grad_scaler) -> None:
+        """Turn the overlap off for a ``GradScaler``; refuse (and skip) a step whose
+        gradients were exchanged without it, in the units they had then."""
+        by = self._synchronized_by_scaler
+        if self._synchronized and by is not grad_scaler:
+            self._finish_step(skipped=True)
+            self._overlapping = False
+            if by is False:
+                raise RuntimeError(
+                    "opt.synchronize() ran without the GradScaler, so an overflow would not "
+                    "skip the step on every rank: pass it, `scaler.unscale_(opt); "
+                    "opt.synchronize(scaler)`, then clip and `scaler.step(opt)`"
+                )
+            # Sent during backward, before this scaler was known: in scaled units.
+            raise RuntimeError(
+                "torch.amp.GradScaler was first used after the first step, while "
+                "gradients were already being sent during backward in scaled units. "
+                "Use the scaler from the first step on, or construct "
+                "CompressedOptimizer(..., overlap=False)"
+            )
+        self._scaler_seen = True
+        self._overlapping = False
 
     def _step_updates(self, grad_scaler) -> None:
         """``exchange="updates"``: agree that every gradient is finite, step the wrapped
@@ -712,6 +737,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._steps_taken += 1
             self._engine.step = self._steps_taken
         self._synchronized = self._dropped_here = self._agreement_started = False
+        self._synchronized_by_scaler = None
         self._refusal = None
         self._step_stats = StepStats()
         self._engine.compress_seconds = 0.0

@@ -327,6 +327,30 @@ def grad_scaler_overflow(rank, world_size):
     return scales, skipped, residual_finite, flat_params(model), opt.total_stats.skipped_steps
 
 
+def grad_scaler_clip_the_average(rank, world_size):
+    """``scaler.unscale_(opt); opt.synchronize(scaler)``, then clipping: every rank clips
+    the same averaged gradient; rank 1 overflows at step 2 and every rank skips it."""
+    model = make_model(seed=0)
+    opt = wrap(model, sparsecomm.TopK(0.05), "sgd")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    norms, scales = [], []
+    for step in range(4):
+        x, y = batch(rank, step)
+        if step == 2 and rank == 1:
+            x[0] = float("inf")
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        opt.synchronize(scaler)
+        if step != 2:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    residuals = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
+    return norms, scales, flat_params(model), residuals, opt.total_stats.skipped_steps
+
+
 def residual_is_unscaled(rank, world_size):
     """Under GradScaler the residual equals what the same step leaves without a scaler."""
     out = []

@@ -313,6 +313,20 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_before_anything_is_sent(
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_synchronize_without_the_grad_scaler_is_refused_by_name():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(8, 40)).pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    opt.synchronize()
+    with pytest.raises(RuntimeError, match=r"opt.synchronize\(scaler\)"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.total_stats.skipped_steps == 1
+
+
 def test_bf16_parameters_keep_fp32_residuals():
     model = small_model().to(torch.bfloat16)
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), min_compress_numel=0)

@@ -281,6 +281,16 @@ def test_grad_scaler_overflow_on_one_rank_skips_everywhere():
         assert torch.equal(params, results[0][3])
 
 
+def test_synchronize_with_the_grad_scaler_clips_the_average_and_skips_together():
+    results = run_ranks(_workers.grad_scaler_clip_the_average, 2, timeout=60)
+    for norms, scales, params, residuals, skipped_steps in results:
+        assert norms == results[0][0], "every rank sees the norm of the same average"
+        assert scales == [1024.0, 1024.0, 512.0, 512.0], scales
+        assert skipped_steps == 1
+        assert torch.isfinite(residuals).all()
+        assert torch.equal(params, results[0][2])
+
+
 def test_residual_is_kept_unscaled_under_grad_scaler():
     for without, with_scaler in run_ranks(_workers.residual_is_unscaled, 2, timeout=60):
         assert without.abs().sum() > 0
