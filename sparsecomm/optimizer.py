@@ -33,6 +33,7 @@ _KEYWORDS = (
     "min_compress_numel",
     "overlap",
     "profile",
+    "cuda_graphs",
     "momentum_correction",
     "exchange",
 )
@@ -237,6 +238,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
+        self._no_gradient_anywhere = False  # this step's agreement found no gradient anywhere
         # synchronize()'s GradScaler (False: it was given none; None: not synchronize())
         self._synchronized_by_scaler = None
         self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
@@ -286,8 +288,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        """Steps taken (skipped and refused steps not counted): the step a compressor's
-        schedule is at, e.g. a :class:`TopK` density warm-up."""
+        """Steps taken (skipped and refused steps, and steps in which no rank had any
+        gradient, not counted): the step a compressor's schedule is at, e.g. a
+        :class:`TopK` density warm-up."""
         return self._steps_taken
 
     @contextlib.contextmanager
@@ -698,6 +701,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if early:
             stats.aggregate_seconds = self._finish(used_here, agreement.refused)
         refusal, used = self._agree_on_step(agreement)
+        self._no_gradient_anywhere = not any(used)  # no rank had a gradient: not a step taken
         refused = refusal is not None
         for flag in found_inf:
             flag.fill_(1.0 if refused else 0.0)
@@ -733,9 +737,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             stats.skipped_steps = 1
         self.last_stats = stats
         self.total_stats = self.total_stats + stats
-        if not skipped:
+        if not skipped and not self._no_gradient_anywhere:
             self._steps_taken += 1
             self._engine.step = self._steps_taken
+        self._no_gradient_anywhere = False
         self._synchronized = self._dropped_here = self._agreement_started = False
         self._synchronized_by_scaler = None
         self._refusal = None

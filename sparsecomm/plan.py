@@ -396,8 +396,9 @@ class PlanRow:
         latency_terms: number of latency terms paid per step (all buckets).
         time_s: communication time, ``bytes_per_rank / bandwidth + latency_terms * latency``.
         speedup: dense fp32 communication time / this one.
-        above_crossover: a sparse row whose payload is at least the dense all-reduce's in
-            bytes (density >= 1/W for 8-byte pairs); sparsecomm sends those buckets dense.
+        above_crossover: a sparse row whose payload would be at least the dense
+            all-reduce's in bytes (density >= 1/W for 8-byte pairs); sparsecomm sends those
+            buckets dense, and the row's bytes and time are the dense all-reduce's.
         compress_s: compression and aggregation, ``n`` times the row's cost per element.
         host_s: processor time the transport itself takes from compute,
             ``bytes_per_rank / host_bandwidth`` (0 without ``host_bandwidth``).
@@ -578,6 +579,9 @@ def plan(
     gather_terms = (world_size - 1) * sparse_buckets
 
     def row(name, compressor, density, nbytes, terms, above=False):
+        if above:  # every rank switches such a bucket to a dense fp32 all-reduce
+            nbytes = allreduce_bytes(params, world_size, FP32_BYTES)
+            terms = 2 * (world_size - 1) * sparse_buckets
         time_s = comm_time(nbytes, bandwidth, latency, terms)
         return name, compressor, density, nbytes, terms, time_s, above
 

@@ -1,6 +1,7 @@
 """The public API on one process: constructor errors, shared param_groups, schedulers,
 state_dict, stats, residuals, and the package layout."""
 
+import inspect
 import io
 import os
 import subprocess
@@ -170,6 +171,25 @@ def test_constructor_errors_name_argument_value_and_fix(what, thunk, error, word
         assert word in str(caught.value), f"{what}: {word!r} missing from: {caught.value}"
 
 
+def test_the_keywords_named_in_errors_are_the_constructors():
+    from sparsecomm import optimizer
+
+    signature = inspect.signature(sparsecomm.CompressedOptimizer.__init__).parameters
+    named = [k for k, v in signature.items() if v.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert sorted(optimizer._KEYWORDS) == sorted(["compressor", *named])
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["optimizer", "ddp_comm_hook"])
+def test_a_backend_name_as_process_group_is_refused_by_name(hook):
+    with pytest.raises(TypeError, match="process_group must be None .* got 'gloo'"):
+        if hook:
+            sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01), process_group="gloo")
+        else:
+            sparsecomm.CompressedOptimizer(
+                sgd(small_model()), sparsecomm.TopK(0.01), process_group="gloo"
+            )
+
+
 def test_residual_of_a_foreign_tensor_raises():
     opt = sparsecomm.CompressedOptimizer(sgd(_MODEL), sparsecomm.TopK(0.1))
     with pytest.raises(ValueError, match="not a parameter"):
@@ -325,6 +345,16 @@ def test_synchronize_without_the_grad_scaler_is_refused_by_name():
         scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert opt.total_stats.skipped_steps == 1
+
+
+def test_a_step_without_any_gradient_leaves_the_schedule_where_it_was():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.01, warmup_steps=10))
+    for _ in range(3):
+        opt.step()  # no backward anywhere
+    assert opt.steps_taken == 0
+    train(model, opt, 2)
+    assert opt.steps_taken == 2
 
 
 def test_bf16_parameters_keep_fp32_residuals():

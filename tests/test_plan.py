@@ -150,8 +150,15 @@ def test_plan_13b_w64_25gbit_20us_buckets():
     same = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6, bucket_cap_mb=25))
     assert same["TopK 0.1%"].time_s == pytest.approx(0.460404, rel=1e-12)
     assert same["Dense fp32"].time_s == pytest.approx(3.77748, rel=1e-12)
-    # TopK 10% is above the 1/64 crossover: sparsecomm would send dense.
+    # TopK 10% is above the 1/64 crossover: sparsecomm sends it dense, and the row says what
+    # that costs: the dense all-reduce's bytes, over the 50 sparse buckets' 2 * 63 * 50 terms.
     assert rows["TopK 10%"].above_crossover and not rows["TopK 1%"].above_crossover
+    dense = rows["Dense fp32"]
+    assert rows["TopK 10%"].bytes_per_rank == dense.bytes_per_rank
+    assert rows["TopK 10%"].latency_terms == 6300
+    assert rows["TopK 10%"].time_s == pytest.approx(
+        dense.bytes_per_rank / GBIT_25 + 6300 * 2e-5, rel=1e-12
+    )
     # Time crossover: 1/64 + 199 * 2e-5 * 3.125e9 / (1.3e9 * 8) = 0.015625 + 1.24375e7 / 1.04e10
     # = 0.015625 + 0.00119591346... = 0.01682091346...
     assert crossover_density(
