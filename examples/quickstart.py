@@ -1,6 +1,7 @@
 """The README's quickstart: a small model trained with TopK(1%) on every rank.
 
     torchrun --nproc_per_node=2 examples/quickstart.py
+    python examples/quickstart.py        # one process: compression and residuals, no exchange
 
 Runs on CPU with gloo (NCCL when CUDA is there) and prints, on rank 0, the loss and what
 each rank sent against what dense fp32 all-reduce would have sent.
@@ -17,8 +18,10 @@ import sparsecomm
 
 def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank = dist.get_rank()
+    launched = "RANK" in os.environ  # by torchrun; plain `python` trains on one process
+    if launched:
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if launched else 0
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -55,8 +58,9 @@ def main() -> None:
             f"dense fp32 would have sent {total.dense_bytes / 1e6:.2f} MB "
             f"({total.compression_ratio:.0f}x fewer bytes, density {total.density:.3f})"
         )
-    dist.barrier()  # tear down together: gloo can abort a rank whose peer left
-    dist.destroy_process_group()
+    if launched:
+        dist.barrier()  # tear down together: gloo can abort a rank whose peer left
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
