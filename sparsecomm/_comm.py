@@ -21,14 +21,17 @@ class Communicator:
     """A process group, with its size and this process's rank in it."""
 
     def __init__(self, process_group: Any = None):
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        self.group = process_group
+        initialized = dist.is_available() and dist.is_initialized()
+        if (initialized or isinstance(process_group, str)) and not (
+            process_group is None or isinstance(process_group, dist.ProcessGroup)
+        ):
             raise TypeError(
                 "process_group must be None (the default group) or a torch.distributed "
                 f"ProcessGroup such as dist.new_group(ranks), got {process_group!r}; the "
                 "backend (gloo, nccl) is chosen by dist.init_process_group"
             )
-        self.group = process_group
-        if dist.is_available() and dist.is_initialized():
+        if initialized:
             self.world_size = dist.get_world_size(process_group)
             self.rank = dist.get_rank(process_group)
         else:

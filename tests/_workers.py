@@ -306,11 +306,14 @@ def unfrozen_after_wrapping(rank, world_size):
     return error, carried, not torch.equal(model[0].weight, first), flat_params(model)
 
 
-def grad_scaler_overflow(rank, world_size):
+def grad_scaler_overflow(rank, world_size, clip=False):
+    """Rank 1's gradient overflows at step 2 under GradScaler. With ``clip``, each step
+    runs ``scaler.unscale_(opt); opt.synchronize(scaler)`` and clips, recording the norm
+    of what it clipped (the average, so the same on every rank) at the good steps."""
     model = make_model(seed=0)
     opt = wrap(model, sparsecomm.TopK(0.05), "sgd")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    scales, skipped = [], []
+    scales, skipped, norms = [], [], []
     for step in range(4):
         x, y = batch(rank, step)
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -318,37 +321,19 @@ def grad_scaler_overflow(rank, world_size):
         if step == 2 and rank == 1:
             model[0].weight.grad[0, 0] = float("inf")
         before = _snapshot(model, opt)
+        if clip:
+            scaler.unscale_(opt)
+            opt.synchronize(scaler)
+            if step != 2:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         scaler.step(opt)
         scaler.update()
         skipped.append(_same(before, _snapshot(model, opt)))
         scales.append(scaler.get_scale())
         opt.zero_grad()
     residual_finite = all(torch.isfinite(opt.residual(p)).all() for p in model.parameters())
-    return scales, skipped, residual_finite, flat_params(model), opt.total_stats.skipped_steps
-
-
-def grad_scaler_clip_the_average(rank, world_size):
-    """``scaler.unscale_(opt); opt.synchronize(scaler)``, then clipping: every rank clips
-    the same averaged gradient; rank 1 overflows at step 2 and every rank skips it."""
-    model = make_model(seed=0)
-    opt = wrap(model, sparsecomm.TopK(0.05), "sgd")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    norms, scales = [], []
-    for step in range(4):
-        x, y = batch(rank, step)
-        if step == 2 and rank == 1:
-            x[0] = float("inf")
-        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        scaler.unscale_(opt)
-        opt.synchronize(scaler)
-        if step != 2:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
-        scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        opt.zero_grad()
-    residuals = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
-    return norms, scales, flat_params(model), residuals, opt.total_stats.skipped_steps
+    params, skipped_steps = flat_params(model), opt.total_stats.skipped_steps
+    return scales, skipped, residual_finite, params, skipped_steps, norms
 
 
 def residual_is_unscaled(rank, world_size):

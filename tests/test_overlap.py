@@ -227,13 +227,20 @@ def test_ddp_hook_dense_matches_ddp():
         torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
 
 
-def test_ddp_hook_resumes_bitwise(tmp_path):
-    """One DDP bucket (the layout DDP starts every process with is the one it keeps): a
-    run resumed in new processes is bitwise the run that never stopped."""
-    args = (str(tmp_path), 3, 6, 25)
+@pytest.mark.parametrize(
+    "cap, phase",
+    [(25, "second"), (0.01, "after-a-backward")],
+    ids=["one-bucket", "several-buckets-loaded-after-a-backward"],
+)
+def test_ddp_hook_resumes_bitwise(tmp_path, cap, phase):
+    """A run resumed in new processes is bitwise the run that never stopped: with one DDP
+    bucket (the layout DDP starts every process with is the one it keeps), and with
+    several when the state is loaded after a backward (DDP has rebuilt its buckets by
+    then; every residual still goes back to its own parameter)."""
+    args = (str(tmp_path), 3, 6, cap)
     full = run_ranks(w.ddp_hook_resume, 2, args[0], "full", *args[1:])
     run_ranks(w.ddp_hook_resume, 2, args[0], "first", *args[1:])
-    resumed = run_ranks(w.ddp_hook_resume, 2, args[0], "second", *args[1:])
+    resumed = run_ranks(w.ddp_hook_resume, 2, args[0], phase, *args[1:])
     for rank in range(2):
         (a, residual_a), (b, residual_b) = full[rank], resumed[rank]
         assert torch.equal(a, b), f"rank {rank}: {_diff(a, b)}"
@@ -253,20 +260,6 @@ def test_ddp_hook_carries_residuals_through_a_layout_change(tmp_path):
         assert sorted(r.numel() for r in residuals.values()) == numels
         assert all(r.abs().sum() > 0 for r in residuals.values() if r.numel() > 50)
     assert torch.equal(resumed[0][0], resumed[1][0])
-
-
-def test_ddp_hook_resumes_bitwise_when_loaded_after_a_backward(tmp_path):
-    """Several DDP buckets, and a backward in the new processes before the load (DDP then
-    rebuilds its buckets): every residual still goes back to its own parameter, and the
-    run is bitwise the one that never stopped."""
-    args = (str(tmp_path), 3, 6, 0.01)
-    full = run_ranks(w.ddp_hook_resume, 2, args[0], "full", *args[1:])
-    run_ranks(w.ddp_hook_resume, 2, args[0], "first", *args[1:])
-    resumed = run_ranks(w.ddp_hook_resume, 2, args[0], "after-a-backward", *args[1:])
-    for rank in range(2):
-        (a, residual_a), (b, residual_b) = full[rank], resumed[rank]
-        assert torch.equal(a, b), f"rank {rank}: {_diff(a, b)}"
-        assert all(torch.equal(residual_a[k], residual_b[k]) for k in residual_a)
 
 
 @pytest.mark.parametrize("cap", [0.01, 25], ids=["several-buckets", "one-bucket"])
