@@ -254,9 +254,14 @@ def ddp_comm_hook(
         ``(state, hook)``, for ``ddp_model.register_comm_hook(state, hook)``.
 
     Example:
-        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
         >>> state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01))
         >>> ddp.register_comm_hook(state, hook)
+
+    The hook runs once per DDP bucket, and each call costs host time and a few launches:
+    with ``TopK`` or ``Threshold``, larger DDP buckets than the default 25 MiB pay (on one
+    H100, the 163M GPT's step in 100 MiB buckets was 1.01x ``CompressedOptimizer``'s, in
+    25 MiB ones 1.04-1.06x).
 
     Warning:
         Under ``torch.amp.GradScaler`` the hook sees scaled gradients, so residuals are
