@@ -113,6 +113,7 @@ class DDPCommHookState:
         # A parameter's key is the order in which this process first saw it: DDP's first
         # layout is the same in every new process, so keys are too.
         self._keys: dict[int, int] = {}
+        self._keyed = False  # every parameter has its key (after this process's first iteration)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # index: [(key, numel)]
         self._loose: dict[int, torch.Tensor] = {}  # key: residual between layouts
 
@@ -132,7 +133,8 @@ class DDPCommHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` saved by this rank, between iterations: in new
-        processes (before or after a first backward) or in the one that saved it.
+        processes (before or after a first backward) or in the one that saved it. A state
+        belongs to one DDP model: for a new model, make a new state and load into it.
         Everything is checked first; a mismatch raises ``ValueError`` naming it and
         changes nothing. A residual whose size does not match its parameter (a state saved
         for another model) raises ``ValueError`` when DDP first hands that parameter over."""
@@ -284,6 +286,11 @@ def _compressed_hook(state, bucket):
     """Compress one DDP bucket, start its exchange, return a future of its average."""
     buffer = bucket.buffer()
     index = bucket.index()
+    if not state._keyed:
+        # Keys in DDP's first layout (this process's first iteration), dense or not, as
+        # any process that later loads this state gives them.
+        state._layout_of(bucket)
+        state._keyed = bucket.is_last()
     if state.iteration < state.dense_iterations:
         compressor = _DENSE
     else:

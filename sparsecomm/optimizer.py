@@ -366,6 +366,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _send_drop(self) -> None:
         """This rank's part of a dropped step: what the other ranks' exchange waits for."""
+        self._check_frozen()  # the other ranks raise it before their exchange, so must this one
         self._drop_pending = False
         if self.exchange == "updates":  # everything happens in step(): its first collective
             self._refusal = self._agree_gradients_finite(dropped=True)
@@ -401,7 +402,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "synchronize() exchanges gradients; with exchange='updates' the exchange "
                 "happens inside step(), after the wrapped optimizer has stepped"
             )
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None  # GradScaler(enabled=False): no scaling, so nothing to skip
         if grad_scaler is not None:
+            if self._synchronized and self._refusal is not None:
+                return  # refused already (drop_step()): scaler.step(opt) skips it everywhere
             self._adopt_scaler(grad_scaler)
         self._synchronize(grad_scaler)
         self._synchronized_by_scaler = grad_scaler if grad_scaler is not None else False
@@ -863,9 +868,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Unscale the gradients with ``grad_scaler`` (unless the user already did) and return
         its per-device found-inf flags, which step() then sets to the all-rank verdict."""
         state = grad_scaler._per_optimizer_states[id(self)]
-        if not state["found_inf_per_device"]:
+        if state["stage"].name != "UNSCALED":
             grad_scaler.unscale_(self)
-        return list(state["found_inf_per_device"].values())
+        found_inf = state["found_inf_per_device"]
+        if not found_inf:  # no gradient on this rank: nothing of its own to skip for
+            device = self._engine.device
+            found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return list(found_inf.values())
 
     # ------------------------------------------------------------------ internals
 

@@ -336,6 +336,49 @@ def grad_scaler_overflow(rank, world_size, clip=False):
     return scales, skipped, residual_finite, params, skipped_steps, norms
 
 
+def grad_scaler_synchronize_odd_ranks(rank, world_size):
+    """``scaler.unscale_(opt); opt.synchronize(scaler); scaler.step(opt)`` on both ranks
+    while rank 1 has no gradient (step 1) and while its backward raised and it dropped the
+    step (step 2). Returns the scales and the parameters."""
+    model = make_model(seed=0)
+    opt = wrap(model, sparsecomm.TopK(0.05), "sgd")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    scales = []
+    for step in range(4):
+        x, y = batch(rank, step)
+        if rank == 1 and step == 2:
+            opt.drop_step()  # as after a backward that raised
+        elif not (rank == 1 and step == 1):
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        opt.synchronize(scaler)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    return scales, flat_params(model)
+
+
+def updates_unfrozen_and_dropped(rank, world_size):
+    """exchange='updates', the first layer unfrozen after wrapping; rank 0 steps, rank 1
+    drops the step: both refuse it by name, neither waits for the other."""
+    model = make_model(seed=0)
+    model[0].requires_grad_(False)
+    opt = wrap(model, sparsecomm.TopK(0.1), "adamw-updates")
+    train_step(model, opt, rank, 0)
+    model[0].requires_grad_(True)
+    try:
+        if rank == 0:
+            x, y = batch(rank, 1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        else:
+            opt.drop_step()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def residual_is_unscaled(rank, world_size):
     """Under GradScaler the residual equals what the same step leaves without a scaler."""
     out = []

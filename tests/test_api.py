@@ -357,6 +357,20 @@ def test_a_step_without_any_gradient_leaves_the_schedule_where_it_was():
     assert opt.steps_taken == 2
 
 
+def test_synchronize_with_a_disabled_grad_scaler_is_plain_synchronize():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    before = model[0].weight.detach().clone()
+    scaler.scale(model(torch.randn(8, 40)).pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    opt.synchronize(scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model[0].weight, before)
+    assert opt.steps_taken == 1
+
+
 def test_bf16_parameters_keep_fp32_residuals():
     model = small_model().to(torch.bfloat16)
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05), min_compress_numel=0)

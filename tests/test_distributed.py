@@ -285,6 +285,18 @@ def test_grad_scaler_overflow_on_one_rank_skips_everywhere(clip):
         assert norms == results[0][5] and len(norms) == (3 if clip else 0)
 
 
+def test_synchronize_with_the_scaler_on_a_rank_without_gradients_or_that_dropped():
+    results = run_ranks(_workers.grad_scaler_synchronize_odd_ranks, 2, timeout=60)
+    (scales_0, params_0), (scales_1, params_1) = results
+    assert scales_0 == scales_1 == [1024.0, 1024.0, 512.0, 512.0]
+    assert torch.equal(params_0, params_1)
+
+
+def test_a_rank_dropping_a_step_with_an_unfrozen_parameter_raises_as_the_others_do():
+    errors = run_ranks(_workers.updates_unfrozen_and_dropped, 2, timeout=60)
+    assert all(e is not None and "parameter 0" in e for e in errors), errors
+
+
 def test_residual_is_kept_unscaled_under_grad_scaler():
     for without, with_scaler in run_ranks(_workers.residual_is_unscaled, 2, timeout=60):
         assert without.abs().sum() > 0

@@ -310,6 +310,49 @@ class _Bucket:
         return self._last
 
 
+class _Buckets:
+    """DDP's buckets as the hook sees them: one bucket of ``params`` (in that order) whose
+    buffer holds their gradients."""
+
+    def __init__(self, params, grads):
+        self.params, self.grads = params, grads
+
+    def parameters(self):
+        return self.params
+
+    def buffer(self):
+        return torch.cat([g.reshape(-1) for g in self.grads])
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def test_ddp_hook_keys_parameters_in_the_first_layout_even_when_it_is_sent_dense():
+    """``dense_iterations=1``: the first iteration (DDP's first layout, a then b) is sent
+    dense, the later ones in the rebuilt layout (b then a). A process that loads the state
+    sees the first layout at once and compresses it: every residual reaches its own
+    parameter."""
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(6))
+    gen = torch.Generator().manual_seed(0)
+    grads = {id(a): torch.randn(4, generator=gen), id(b): torch.randn(6, generator=gen)}
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.3), dense_iterations=1)
+    hook(state, _Buckets([a, b], [grads[id(a)], grads[id(b)]])).wait()
+    for _ in range(2):
+        hook(state, _Buckets([b, a], [grads[id(b)], grads[id(a)]])).wait()
+    kept_b, kept_a = state.residuals[0].clone().split([6, 4])
+    saved = state.state_dict()
+    # Keys in the order of the first layout, which the loading process sees first.
+    assert torch.equal(saved["residuals"][0], kept_a)
+    assert torch.equal(saved["residuals"][1], kept_b)
+    fresh, fresh_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.3), dense_iterations=1)
+    fresh.load_state_dict(saved)
+    sent = fresh_hook(fresh, _Buckets([a, b], [torch.zeros(4), torch.zeros(6)])).wait()
+    assert torch.equal(sent + fresh.residuals[0], torch.cat([kept_a, kept_b]))
+
+
 @pytest.mark.parametrize("compressor", COMPRESSORS[1:], ids=repr)
 def test_ddp_hook_conserves_exactly(compressor):
     state, hook = sparsecomm.ddp_comm_hook(compressor, dense_iterations=0)
