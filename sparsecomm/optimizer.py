@@ -581,6 +581,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._ready:  # called by torch.optim.Optimizer.__init__ for existing groups
             super().add_param_group(param_group)
             return
+        self._check_frozen()  # a parameter unfrozen since has no hook: wrap again instead
         start = len(self._params)
         new_params, error = _group_params(param_group, self._params)
         if error is None:

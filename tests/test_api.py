@@ -333,6 +333,16 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_before_anything_is_sent(
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_add_param_group_refuses_a_parameter_unfrozen_after_wrapping():
+    model = small_model()
+    model[0].requires_grad_(False)
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="wrap the optimizer again"):
+        opt.add_param_group({"params": torch.nn.Linear(3, 3).parameters()})
+    assert len(opt.param_groups) == 1
+
+
 def test_synchronize_without_the_grad_scaler_is_refused_by_name():
     model = small_model()
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
