@@ -289,14 +289,18 @@ def test_ddp_hook_refuses_a_residual_of_another_model():
 
 
 class _Bucket:
-    """Just enough of torch.distributed.GradBucket for the hook on one process."""
+    """Just enough of torch.distributed.GradBucket for the hook on one process: a bucket
+    of ``params`` (default: one parameter, the same every call) whose gradients are
+    ``buffer``."""
 
-    param = torch.nn.Parameter(torch.zeros(0))  # one parameter, the same every call
+    param = torch.nn.Parameter(torch.zeros(0))
 
-    def __init__(self, buffer, index=0, last=True):
-        self._buffer, self._index, self._last = buffer, index, last
+    def __init__(self, buffer, index=0, last=True, params=None):
+        self._buffer, self._index, self._last, self._params = buffer, index, last, params
 
     def parameters(self):
+        if self._params is not None:
+            return self._params
         self.param.data = torch.zeros(self._buffer.numel())
         return [self.param]
 
@@ -310,26 +314,6 @@ class _Bucket:
         return self._last
 
 
-class _Buckets:
-    """DDP's buckets as the hook sees them: one bucket of ``params`` (in that order) whose
-    buffer holds their gradients."""
-
-    def __init__(self, params, grads):
-        self.params, self.grads = params, grads
-
-    def parameters(self):
-        return self.params
-
-    def buffer(self):
-        return torch.cat([g.reshape(-1) for g in self.grads])
-
-    def index(self):
-        return 0
-
-    def is_last(self):
-        return True
-
-
 def test_ddp_hook_keys_parameters_in_the_first_layout_even_when_it_is_sent_dense():
     """``dense_iterations=1``: the first iteration (DDP's first layout, a then b) is sent
     dense, the later ones in the rebuilt layout (b then a). A process that loads the state
@@ -337,11 +321,11 @@ def test_ddp_hook_keys_parameters_in_the_first_layout_even_when_it_is_sent_dense
     parameter."""
     a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(6))
     gen = torch.Generator().manual_seed(0)
-    grads = {id(a): torch.randn(4, generator=gen), id(b): torch.randn(6, generator=gen)}
+    grad_a, grad_b = torch.randn(4, generator=gen), torch.randn(6, generator=gen)
     state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.3), dense_iterations=1)
-    hook(state, _Buckets([a, b], [grads[id(a)], grads[id(b)]])).wait()
+    hook(state, _Bucket(torch.cat([grad_a, grad_b]), params=[a, b])).wait()
     for _ in range(2):
-        hook(state, _Buckets([b, a], [grads[id(b)], grads[id(a)]])).wait()
+        hook(state, _Bucket(torch.cat([grad_b, grad_a]), params=[b, a])).wait()
     kept_b, kept_a = state.residuals[0].clone().split([6, 4])
     saved = state.state_dict()
     # Keys in the order of the first layout, which the loading process sees first.
@@ -349,7 +333,7 @@ def test_ddp_hook_keys_parameters_in_the_first_layout_even_when_it_is_sent_dense
     assert torch.equal(saved["residuals"][1], kept_b)
     fresh, fresh_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.3), dense_iterations=1)
     fresh.load_state_dict(saved)
-    sent = fresh_hook(fresh, _Buckets([a, b], [torch.zeros(4), torch.zeros(6)])).wait()
+    sent = fresh_hook(fresh, _Bucket(torch.zeros(10), params=[a, b])).wait()
     assert torch.equal(sent + fresh.residuals[0], torch.cat([kept_a, kept_b]))
 
 
