@@ -578,10 +578,12 @@ def plan(
     ring_terms = 2 * (world_size - 1) * dense_buckets
     gather_terms = (world_size - 1) * sparse_buckets
 
-    def row(name, compressor, density, nbytes, terms, above=False):
+    def row(name, compressor, density, nbytes, terms, above=False, first=(0, 0)):
+        """``first``: (bytes, latency terms) sent before the choice between sparse and
+        dense (Threshold's count all-gather), so kept above the crossover too."""
         if above:  # every rank switches such a bucket to a dense fp32 all-reduce
-            nbytes = allreduce_bytes(params, world_size, FP32_BYTES)
-            terms = 2 * (world_size - 1) * sparse_buckets
+            nbytes = allreduce_bytes(params, world_size, FP32_BYTES) + first[0]
+            terms = 2 * (world_size - 1) * sparse_buckets + first[1]
         time_s = comm_time(nbytes, bandwidth, latency, terms)
         return name, compressor, density, nbytes, terms, time_s, above
 
@@ -624,17 +626,16 @@ def plan(
         )
     for density in threshold_densities:
         k = density * params
-        threshold_bytes = allgather_bytes(k, world_size, pair_bytes) + (
-            (world_size - 1) * COUNT_BYTES * sparse_buckets
-        )
+        counts = ((world_size - 1) * COUNT_BYTES * sparse_buckets, gather_terms)
         raw.append(
             row(
                 f"Threshold {_pct(density)}",
                 f"Threshold(t)  # t giving {_pct(density)}",
                 density,
-                threshold_bytes,
-                2 * gather_terms,
+                allgather_bytes(k, world_size, pair_bytes) + counts[0],
+                gather_terms + counts[1],
                 allgather_bytes(k, world_size, pair_bytes) >= dense_bytes,
+                first=counts,
             )
         )
     dense_time = raw[0][5]
@@ -811,6 +812,8 @@ def format_plan(
         note = ""
         if r.above_crossover:
             note = "above crossover: sparsecomm sends these buckets dense fp32"
+            if r.name.startswith("Threshold"):
+                note += ", after the count all-gather"
         elif r.name.startswith("Threshold"):
             note = "density = largest over ranks (padded); + count all-gather"
         extra = f"{_ms(r.compress_s):>8} | {_ms(r.step_s):>8} | " if stepped else ""

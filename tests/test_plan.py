@@ -159,6 +159,12 @@ def test_plan_13b_w64_25gbit_20us_buckets():
     assert rows["TopK 10%"].time_s == pytest.approx(
         dense.bytes_per_rank / GBIT_25 + 6300 * 2e-5, rel=1e-12
     )
+    # Threshold 10% too, but its counts are all-gathered before every rank switches to dense:
+    # 63 * 8 B and 63 terms per sparse bucket on top of the dense all-reduce.
+    threshold = rows["Threshold 10%"]
+    assert threshold.above_crossover
+    assert threshold.bytes_per_rank == dense.bytes_per_rank + 63 * 8 * 50
+    assert threshold.latency_terms == 6300 + 63 * 50
     # Time crossover: 1/64 + 199 * 2e-5 * 3.125e9 / (1.3e9 * 8) = 0.015625 + 1.24375e7 / 1.04e10
     # = 0.015625 + 0.00119591346... = 0.01682091346...
     assert crossover_density(
