@@ -233,12 +233,11 @@ def make_compressor(args: argparse.Namespace) -> sparsecomm.Compressor:
     if args.compressor == "bf16":
         return sparsecomm.Cast(torch.bfloat16)
     if args.compressor == "topk":
+        shape = {"warmup": args.density_warmup_shape}
+        if args.density_warmup_shape == "exponential":
+            shape["warmup_start"] = max(args.density_warmup_start, args.density)
         return sparsecomm.TopK(
-            density=args.density,
-            warmup_steps=args.density_warmup,
-            warmup=args.density_warmup_shape,
-            warmup_start=max(args.density_warmup_start, args.density),
-            select=args.select,
+            density=args.density, warmup_steps=args.density_warmup, select=args.select, **shape
         )
     return sparsecomm.Threshold(args.threshold)
 

@@ -21,9 +21,9 @@ constant gradient ``g / tau``, at once:
 
 ``S`` is the sum of the ``tau`` steps' bias-corrected momenta, each with its own step's
 correction, as AdamW would have taken them (its second form is what runs: the geometric sum
-in closed form, the corrections' share term by term for the first ``MOMENTA_TERMS`` = 64
-steps, for a coordinate last received before step 64: later, the corrections are 1 to
-within ``beta1^64``);
+in closed form, the corrections' share term by term for the first ``momenta_terms(beta1)``
+steps, 165 for beta1 = 0.9, for a coordinate last received before that step: later, the
+corrections are 1 in float32, ``beta1`` to that power being below ``2^-25``);
 the new ``v`` and step ``t``'s correction stand for the ``tau`` steps' second moments. A
 coordinate whose gradient is zero is left alone (its moments and ``last`` too) but for the
 decoupled weight decay ``p <- p * (1 - lr * weight_decay)``, which every coordinate takes
@@ -54,10 +54,10 @@ __all__ = ["CatchUpAdamW"]
 #: Set once the Triton kernel failed (it did not compile here): torch ops from then on.
 _kernel_failed = False
 
-#: Steps after a coordinate's previous receipt whose bias corrections enter its momenta term
-#: by term, for a coordinate last received before this step (see ``_momenta_weights``); the
-#: others are 1 to within beta1^this. The Triton kernel uses the same number.
-MOMENTA_TERMS = _kernel.MOMENTA_TERMS
+#: ``momenta_terms(beta1)``: steps after a coordinate's previous receipt whose bias
+#: corrections enter its momenta term by term, for a coordinate last received before that
+#: step (see ``_momenta_weights``); the others are 1 in float32. The Triton kernel's number.
+momenta_terms = _kernel.momenta_terms
 
 
 class CatchUpAdamW(torch.optim.Optimizer):
@@ -91,16 +91,31 @@ class CatchUpAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
     ):
-        if not 0.0 <= lr:
-            raise ValueError(f"CatchUpAdamW: lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"CatchUpAdamW: betas must each be in [0, 1), got {betas}")
-        if not 0.0 <= eps:
-            raise ValueError(f"CatchUpAdamW: eps must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"CatchUpAdamW: weight_decay must be >= 0, got {weight_decay}")
+        _check_hyper(lr, betas, eps, weight_decay, where="CatchUpAdamW")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; refuses the group's hyperparameters
+        as the constructor does, and parameters that are not float32, float16 or bfloat16
+        (the moments and the step are float32: a float64 or complex parameter would be
+        rounded or lose its imaginary part)."""
+        group = {**self.defaults, **param_group}
+        _check_hyper(
+            group["lr"], group["betas"], group["eps"], group["weight_decay"],
+            where="CatchUpAdamW parameter group",
+        )  # fmt: skip
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)  # (generators)
+        param_group = {**param_group, "params": params}
+        for param in params:
+            if isinstance(param, torch.Tensor) and param.dtype not in _DTYPES:
+                raise TypeError(
+                    f"CatchUpAdamW steps float32, float16 and bfloat16 parameters, got one of "
+                    f"{param.dtype}; step it with torch.optim.AdamW, or convert the model "
+                    "(model.float())"
+                )
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -123,7 +138,17 @@ class CatchUpAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the moments stay float32 and
         ``last_step`` int32: torch casts every state tensor but ``step`` to its parameter's
-        dtype, and a bf16 ``last_step`` would lose step numbers above 256."""
+        dtype, and a bf16 ``last_step`` would lose step numbers above 256. A state without
+        ``CatchUpAdamW``'s keys (another optimizer's) is refused before anything changes."""
+        for index, saved in state_dict["state"].items():
+            missing = [k for k in ("step", "exp_avg", "exp_avg_sq", "last_step") if k not in saved]
+            if missing:
+                raise ValueError(
+                    f"CatchUpAdamW.load_state_dict: the state of parameter {index} has no "
+                    f"{', '.join(missing)}: it is not a CatchUpAdamW state (keys: "
+                    f"{sorted(saved)}). Load the state_dict() of a CatchUpAdamW, or start "
+                    "this optimizer fresh"
+                )
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
@@ -153,6 +178,20 @@ class CatchUpAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"{where}: betas must be two numbers, each in [0, 1), got {betas}")
+    if not 0.0 <= eps:
+        raise ValueError(f"{where}: eps must be >= 0, got {eps}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"{where}: weight_decay must be >= 0, got {weight_decay}")
 
 
 def catch_up_adamw_(
@@ -252,10 +291,11 @@ def _catch_up(g, exp_avg, exp_avg_sq, last_step, step, lr, betas, eps):
     decay2 = _power(beta2, tau)
     last = last_step.float()
     # beta1^last, 1 minus the old momentum's bias correction, for a coordinate last received
-    # before step MOMENTA_TERMS; a later one's corrections are taken as 1 (beta1^last as 0)
-    young = last < MOMENTA_TERMS
+    # before step momenta_terms(beta1); a later one's corrections are 1 in float32
+    limit = momenta_terms(beta1)
+    young = last < limit
     start = torch.where(young, _power(beta1, last), torch.zeros_like(last))
-    weights = _momenta_weights(beta1, tau, young, start, decay1, g.is_cuda)
+    weights = _momenta_weights(beta1, tau, young, start, decay1, limit, g.is_cuda)
     # The bias-corrected momenta of the tau steps, summed.
     momenta = torch.addcmul(tau * g, exp_avg - (1.0 - start) * g, weights)
     new_avg = torch.lerp(exp_avg, g, 1.0 - decay1)
@@ -271,21 +311,21 @@ def _power(beta: float, exponent: torch.Tensor) -> torch.Tensor:
     return (exponent == 0).float()
 
 
-def _momenta_weights(beta1, tau, young, start, decay1, on_cuda: bool) -> torch.Tensor:
+def _momenta_weights(beta1, tau, young, start, decay1, limit, on_cuda: bool) -> torch.Tensor:
     """``sum over k = 1..tau of beta1^k / (1 - beta1^(last + k))``: the weight of the old
     momentum's bias-corrected excess in the momenta of the tau steps. The geometric sum in
-    closed form, plus, for a coordinate last received before step ``MOMENTA_TERMS``, the bias
-    corrections' share term by term for the first ``min(tau, MOMENTA_TERMS)`` steps (later
-    terms are below ``beta1^(2 MOMENTA_TERMS)``): as many as the longest wait needs, read on
-    a CPU; all of them on CUDA (no host sync)."""
+    closed form, plus, for a coordinate last received before step ``limit`` (``momenta_terms``),
+    the bias corrections' share term by term for the first ``min(tau, limit)`` steps (later
+    terms are below ``beta1^(2 limit)``): as many as the longest wait needs, read on a CPU;
+    all of them on CUDA (no host sync)."""
     weights = (1.0 - decay1).mul_(beta1 / (1.0 - beta1)) if beta1 > 0 else torch.zeros_like(tau)
     if beta1 == 0:
         return weights
-    # Only a coordinate last received within the first MOMENTA_TERMS steps has corrections
-    # that matter: later, 1 - beta1^(last + k) is 1 to within beta1^MOMENTA_TERMS.
-    wait = torch.where(young, tau.clamp(max=MOMENTA_TERMS), torch.zeros_like(tau))
+    # Only a coordinate last received within the first `limit` steps has corrections that
+    # matter: later, 1 - beta1^(last + k) is 1 in float32.
+    wait = torch.where(young, tau.clamp(max=limit), torch.zeros_like(tau))
     if on_cuda:
-        terms = MOMENTA_TERMS  # (the kernel reads the longest wait per block itself)
+        terms = limit  # (the kernel reads the longest wait per block itself)
     else:
         terms = int(wait.max().item()) if wait.numel() else 0
     x = start  # beta1^(last + k) as k goes

@@ -603,7 +603,11 @@ class TopK(_Sparse):
                 f"TopK(density={density}) is invalid: density is the fraction of elements "
                 "sent and must be in (0, 1]; for example TopK(density=0.01) sends 1%"
             )
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        if (
+            isinstance(warmup_steps, bool)
+            or not isinstance(warmup_steps, numbers.Integral)
+            or warmup_steps < 0
+        ):
             raise ValueError(
                 f"TopK(warmup_steps={warmup_steps!r}) is invalid: it must be an int >= 0 (steps "
                 "of density warm-up; 0: none)"
@@ -619,6 +623,12 @@ class TopK(_Sparse):
                 f"TopK(warmup_start={warmup_start}) is invalid: the warm-up starts at a density "
                 f"in [density, 1] = [{density}, 1] and decays to density"
             )
+        if warmup_steps and warmup == "dense" and warmup_start != 0.25:
+            raise ValueError(
+                f"TopK(warmup='dense', warmup_start={warmup_start}) is invalid: warmup_start "
+                "is the first density of the exponential warm-up; a dense warm-up sends "
+                "everything, so leave warmup_start out"
+            )
         if select not in self.SELECTIONS:
             raise ValueError(
                 f"TopK(select={select!r}) is invalid: it is 'magnitude' (the largest "
@@ -627,7 +637,7 @@ class TopK(_Sparse):
             )
         self.density = float(density)
         self.select = select
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = int(warmup_steps)
         self.warmup = warmup
         self.warmup_start = float(warmup_start)
         self._at: dict[int, TopK] = {}

@@ -310,8 +310,8 @@ def parse_bandwidth(text: str | float) -> float:
     scale = _BINARY[prefix] if prefix.endswith("i") else _DECIMAL.get(prefix, 1.0)
     is_bytes = unit in ("B", "Bps") or unit.lower().startswith("byte")
     bytes_per_s = value * scale / (1.0 if is_bytes else 8.0)
-    if not bytes_per_s > 0:
-        raise ValueError(f"bandwidth must be > 0, got {text!r}; e.g. '25Gbit'")
+    if not (bytes_per_s > 0 and math.isfinite(bytes_per_s)):
+        raise ValueError(f"bandwidth must be finite and > 0, got {text!r}; e.g. '25Gbit'")
     return bytes_per_s
 
 
@@ -342,6 +342,8 @@ def parse_latency(text: str | float) -> float:
         raise ValueError(
             f"latency {text!r} has no unit; write e.g. '{match['num']}us' or '{match['num']}ms'"
         )
+    if not math.isfinite(value):
+        raise ValueError(f"latency must be finite, got {text!r}; e.g. '20us'")
     return value / _TIME_DIVISORS[unit]
 
 
@@ -362,8 +364,8 @@ def parse_count(text: str | float) -> float:
     if match is None:
         raise ValueError(f"params {text!r} is not a number; write e.g. '1.3e9', '350M' or '7B'")
     value = float(match["num"]) * _COUNT_SUFFIX.get((match["suffix"] or "").lower(), 1.0)
-    if not value >= 1:
-        raise ValueError(f"params must be >= 1, got {text!r}; e.g. '1.3e9'")
+    if not (value >= 1 and math.isfinite(value)):
+        raise ValueError(f"params must be finite and >= 1, got {text!r}; e.g. '1.3e9'")
     return value
 
 
@@ -845,7 +847,13 @@ def format_plan(
             lines.append(
                 f"In time, with {latency * 1e6:.4g} us latency (the all-gathers pay "
                 f"{(world_size - 1) * sparse_buckets} latency terms, the all-reduces "
-                f"{2 * (world_size - 1) * buckets}): {_pct(time_cross)}."
+                f"{2 * (world_size - 1) * buckets}): "
+                + (
+                    f"{_pct(time_cross)}."
+                    if time_cross < 1
+                    else "none: at every density the sparse rows take less time (the "
+                    "dense all-reduce's latency terms cost more than all the bytes)."
+                )
             )
         lines.append(
             f"Against Cast fp16/bf16 (2-byte all-reduce) the sparse compressors pay below "
@@ -894,6 +902,10 @@ def measure_compress_costs(
         )
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    if not float(max_elements) >= 1:
+        raise ValueError(
+            f"max_elements (--measure-max-elements) must be >= 1, got {max_elements!r}"
+        )
     n = int(min(float(params), float(max_elements)))
     if n < 1:
         raise ValueError(f"params must be >= 1, got {params!r}")

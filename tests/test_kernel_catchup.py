@@ -46,9 +46,9 @@ def both(grad, state, step, monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 7, 2047, 2048, 2049, 5003])
 @pytest.mark.parametrize("received", [1.0, 0.3, 0.01])
-def test_the_kernel_agrees_with_the_torch_ops(n, received, monkeypatch):
+@pytest.mark.parametrize("step", [57, 400])  # 400: last steps on both sides of 165
+def test_the_kernel_agrees_with_the_torch_ops(n, received, step, monkeypatch):
     gen = torch.Generator().manual_seed(n)
-    step = 57
     state = state_of(n, step, gen)
     grad = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-6, 4, (n,), generator=gen)
     grad[torch.rand(n, generator=gen) >= received] = 0.0

@@ -260,6 +260,9 @@ def test_parse_count(text, expected):
         (lambda: parse_latency("20 parsecs"), ["latency", "20us"]),
         (lambda: parse_count("lots"), ["params", "1.3e9"]),
         (lambda: parse_count("0"), ["params", ">= 1"]),
+        (lambda: parse_count("1e400"), ["params", "finite"]),
+        (lambda: parse_bandwidth("1e400Gbit"), ["bandwidth", "finite"]),
+        (lambda: parse_latency("1e400s"), ["latency", "finite", "20us"]),
         (lambda: plan(1e8, 0, GBIT_25), ["world_size", ">= 1"]),
         (lambda: plan(1e8, 8.0, GBIT_25), ["world_size", "integer"]),
         (lambda: plan(1e8, 8, 0.0), ["bandwidth", "parse_bandwidth"]),
@@ -315,6 +318,16 @@ def test_cli_worked_example():
     assert "| compress |" not in out  # no step model asked for: the old table
 
 
+def test_cli_no_time_crossover_when_latency_outweighs_every_byte():
+    # 100 parameters, 1 ms a message: the dense all-reduce's 14 latency terms cost more than
+    # any density's 7 all-gather terms and bytes, so there is no crossover to print.
+    result = run_cli("--params", "100", "--world-size", "8", "--bandwidth", "25Gbit",
+                     "--latency", "1ms")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "none: at every density the sparse rows take less time" in result.stdout
+    assert "e+05%" not in result.stdout
+
+
 def test_cli_large_model_with_latency():
     result = run_cli(
         "--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit", "--latency", "20us"
@@ -348,6 +361,10 @@ def test_cli_large_model_with_latency():
         (["--bandwidth", "25"], ["bandwidth", "no unit", "25Gbit"]),
         (["--bandwidth", "25Gbit", "--latency", "20"], ["latency", "20us"]),
         (["--bandwidth", "25Gbit", "--densities", "1%"], ["densities", "0.001"]),
+        (
+            ["--bandwidth", "25Gbit", "--measure", "--measure-max-elements", "0.5"],
+            ["--measure-max-elements", ">= 1"],
+        ),
     ],
 )
 def test_cli_bad_input_exits_2_with_the_fix(args, words):

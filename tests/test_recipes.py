@@ -6,6 +6,7 @@ refused steps, checkpoints and rank agreement."""
 import copy
 
 import _workers
+import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
@@ -61,6 +62,8 @@ def test_without_warmup_the_schedule_is_constant_and_config_unchanged():
     warmed = sparsecomm.TopK(0.01, warmup_steps=10)
     assert warmed != topk and warmed.config()["warmup_steps"] == 10
     assert repr(warmed) == "TopK(density=0.01, warmup_steps=10, warmup_start=0.25)"
+    # A step count read from numpy is an int too, and the same compressor.
+    assert sparsecomm.TopK(0.01, warmup_steps=np.int64(10)) == warmed
 
 
 @pytest.mark.parametrize(
@@ -71,6 +74,16 @@ def test_without_warmup_the_schedule_is_constant_and_config_unchanged():
         ({"warmup_steps": 5, "warmup": "linear"}, ValueError, ["'linear'", "exponential"]),
         ({"warmup_steps": 5, "warmup_start": 0.001}, ValueError, ["warmup_start=0.001", "[0.01"]),
         ({"warmup_steps": 5, "warmup_start": "x"}, TypeError, ["warmup_start", "float"]),
+        (
+            {"warmup_steps": 5, "warmup": "dense", "warmup_start": 0.5},
+            ValueError,
+            ["warmup_start=0.5", "exponential", "leave warmup_start out"],
+        ),
+        (
+            {"warmup_steps": 5, "warmup": "dense", "warmup_start": float("nan")},
+            ValueError,
+            ["warmup_start=nan"],
+        ),
     ],
 )
 def test_bad_warmup_arguments_are_named(kwargs, error, words):

@@ -17,9 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-# Steps after a coordinate's previous receipt whose bias corrections enter its momenta term by
-# term (sparsecomm.catchup.MOMENTA_TERMS, which the torch ops use).
-MOMENTA_TERMS = 64
+
+def momenta_terms(beta1: float) -> int:
+    """How many steps after a coordinate's previous receipt its bias corrections enter its
+    momenta term by term: until ``beta1 ** steps`` falls below ``2 ** -25``, where ``1 -
+    beta1 ** steps`` rounds to 1 in float32 (165 steps for beta1 = 0.9, 1725 for 0.99). A
+    coordinate last received that late has corrections of 1, exactly in float32. The torch
+    ops (``sparsecomm.catchup``) use the same number."""
+    if not 0.0 < beta1 < 1.0:
+        return 0
+    return math.ceil(25.0 / -math.log2(beta1))
+
 
 BLOCK_SIZE = 2048  # elements per program; an elementwise pass, 8 per thread with 8 warps
 NUM_WARPS = 8
@@ -42,7 +50,7 @@ def _catch_up_adamw_kernel(
     lr,
     bias_correction2,
     eps,
-    MOMENTA_TERMS: tl.constexpr,
+    momenta_terms,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -62,15 +70,15 @@ def _catch_up_adamw_kernel(
     decay1 = tl.exp2(tau * log2_beta1)
     decay2 = tl.exp2(tau * log2_beta2)
     # The weight of the old momentum's bias-corrected excess in the tau steps' momenta: the
-    # geometric sum, plus the bias corrections' share for the first MOMENTA_TERMS steps (as
+    # geometric sum, plus the bias corrections' share for the first momenta_terms steps (as
     # many as this block's longest wait needs).
     weights = (1.0 - decay1) * momenta_ratio
-    young = touch & (last < MOMENTA_TERMS)
+    young = touch & (last < momenta_terms)
     x = tl.where(young, tl.exp2(last.to(tl.float32) * log2_beta1), 0.0)
     excess = m - (1.0 - x) * g
-    # (only for a coordinate last received before step MOMENTA_TERMS: later ones' corrections
-    # are 1 to within beta1^MOMENTA_TERMS, and late in training the loop runs no turn)
-    wait = tl.where(young, tl.minimum(tau, MOMENTA_TERMS), 0.0)
+    # (only for a coordinate last received before step momenta_terms: later ones' corrections
+    # are 1 in float32, and late in training the loop runs no turn)
+    wait = tl.where(young, tl.minimum(tau, momenta_terms.to(tl.float32)), 0.0)
     terms = tl.max(wait, axis=0).to(tl.int32)
     bk = 1.0
     for k in range(1, terms + 1):
@@ -152,7 +160,7 @@ def catch_up_adamw(
         lr,
         1.0 - beta2**step,
         eps,
-        MOMENTA_TERMS=MOMENTA_TERMS,
+        momenta_terms(beta1),
         BLOCK_SIZE=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
