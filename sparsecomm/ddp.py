@@ -10,6 +10,7 @@ in the state object.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -114,6 +115,10 @@ class DDPCommHookState:
         # layout is the same in every new process, so keys are too.
         self._keys: dict[int, int] = {}
         self._keyed = False  # every parameter has its key (after this process's first iteration)
+        self._shapes: dict[int, list[int]] = {}  # key: its parameter's shape
+        self._saved_shapes: dict[int, list[int]] = {}  # key: shape, of a loaded state's model
+        # Compared across ranks at the first bucket after construction or a load.
+        self._iteration_unchecked = True
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # index: [(key, numel)]
         self._loose: dict[int, torch.Tensor] = {}  # key: residual between layouts
 
@@ -129,6 +134,7 @@ class DDPCommHookState:
             "error_feedback": self.error_feedback,
             "iteration": self.iteration,
             "residuals": {key: r.clone() for key, r in self._loose.items()},
+            "shapes": {**self._saved_shapes, **self._shapes},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -136,8 +142,13 @@ class DDPCommHookState:
         processes (before or after a first backward) or in the one that saved it. A state
         belongs to one DDP model: for a new model, make a new state and load into it.
         Everything is checked first; a mismatch raises ``ValueError`` naming it and
-        changes nothing. A residual whose size does not match its parameter (a state saved
-        for another model) raises ``ValueError`` when DDP first hands that parameter over."""
+        changes nothing. A state saved for another model (parameters of other shapes, or
+        more or fewer of them, in the order DDP first hands them over) raises
+        ``ValueError`` here if the hook has seen this process's model, else when DDP first
+        hands over a parameter that differs (or at the end of that first iteration)."""
+        # Set first, refused load or not: every rank calls load_state_dict, and every rank
+        # must then take part in the check (one whose load is refused too).
+        self._iteration_unchecked = True
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 "DDPCommHookState.load_state_dict: not a saved hook state (format "
@@ -154,7 +165,9 @@ class DDPCommHookState:
                 raise ValueError(
                     f"DDPCommHookState.load_state_dict: saved with {key}={state.get(key)!r}, "
                     f"this hook has {key}={value!r}; residuals belong to one rank, world size "
-                    "and compressor"
+                    "and compressor. To go on without them (the gradient they held back is "
+                    "dropped), keep only the iteration count: state.iteration = "
+                    "saved['iteration']"
                 )
         residuals = state.get("residuals")
         if not isinstance(residuals, dict):
@@ -170,7 +183,28 @@ class DDPCommHookState:
                     f"DDPCommHookState.load_state_dict: residual of parameter {key} holds NaN "
                     "or Inf; the checkpoint is corrupt"
                 )
+        shapes = state.get("shapes", {})  # (none in states saved before it was recorded)
+        if not isinstance(shapes, dict) or not all(
+            isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)
+            for v in shapes.values()
+        ):
+            raise ValueError(
+                "DDPCommHookState.load_state_dict: 'shapes' must map parameter keys to shapes"
+            )
+        shapes = {int(k): list(v) for k, v in shapes.items()}
+        for key, residual in residuals.items():
+            if int(key) in shapes and residual.numel() != math.prod(shapes[int(key)]):
+                raise ValueError(
+                    f"DDPCommHookState.load_state_dict: residual of parameter {key} has "
+                    f"{residual.numel()} elements, its shape {shapes[int(key)]} has "
+                    f"{math.prod(shapes[int(key)])}; the checkpoint is corrupt"
+                )
+        for key, shape in self._shapes.items():  # keys given already: this process's model
+            self._check_shape(key, shape, shapes)
+        if self._keyed:
+            self._check_count(shapes)
         self.iteration = int(state["iteration"])
+        self._saved_shapes = shapes
         self._loose = {int(k): r.clone() for k, r in residuals.items()}
         # Keys already given (the hook ran in this process) stay: they were given in DDP's
         # first layout, as the saving process gave its own, whatever layout DDP uses now.
@@ -179,9 +213,50 @@ class DDPCommHookState:
     def _layout_of(self, bucket) -> list[tuple[int, int]]:
         layout = []
         for param in bucket.parameters():
-            key = self._keys.setdefault(id(param), len(self._keys))
+            key = self._keys.get(id(param))
+            if key is None:  # first seen (in this process's first iteration)
+                key = self._keys[id(param)] = len(self._keys)
+                self._shapes[key] = list(param.shape)
+                self._check_shape(key, self._shapes[key], self._saved_shapes)
             layout.append((key, param.numel()))
         return layout
+
+    @staticmethod
+    def _check_shape(key: int, shape: list[int], saved: dict[int, list[int]]) -> None:
+        """A loaded state's model must be this one: parameter ``key`` (in the order DDP
+        first hands parameters to the hook) must have the shape it had there."""
+        if not saved or saved.get(key) == shape:
+            return
+        found = f"has shape {saved[key]}" if key in saved else "is not there"
+        raise ValueError(
+            f"DDPCommHookState: parameter {key} (in the order DDP first hands parameters to "
+            f"the hook) has shape {shape}, but in the loaded state's model, of {len(saved)} "
+            f"parameters, it {found}: the state was saved for another model. Load the state "
+            "saved with this model, or none"
+        )
+
+    def _check_count(self, saved: dict[int, list[int]]) -> None:
+        if saved and len(saved) != len(self._keys):
+            raise ValueError(
+                f"DDPCommHookState: this model has {len(self._keys)} parameters, the loaded "
+                f"state's model {len(saved)}: the state was saved for another model. Load "
+                "the state saved with this model, or none"
+            )
+
+    def _agree_on_iteration(self, device: torch.device) -> None:
+        """One all-gather of each rank's iteration count, at the first bucket after
+        construction or a load: ranks that loaded states of different iterations would
+        pick different compressors or densities, whose payloads do not match."""
+        self._iteration_unchecked = False
+        mine = torch.tensor([self.iteration], dtype=torch.int64, device=device)
+        iterations = self.comm.all_gather(mine).view(-1).tolist()
+        if len(set(iterations)) > 1:
+            raise RuntimeError(
+                f"DDPCommHookState: the ranks are at different iterations ({iterations} by "
+                "rank): they loaded states saved at different iterations, or not every rank "
+                "loaded one. Load on every rank the state that rank saved at the same "
+                "iteration"
+            )
 
     def _loosen_all(self) -> None:
         """Split every bucket's residual into per-parameter pieces (in ``_loose``); a
@@ -286,11 +361,15 @@ def _compressed_hook(state, bucket):
     """Compress one DDP bucket, start its exchange, return a future of its average."""
     buffer = bucket.buffer()
     index = bucket.index()
+    if state._iteration_unchecked:
+        state._agree_on_iteration(buffer.device)
     if not state._keyed:
         # Keys in DDP's first layout (this process's first iteration), dense or not, as
         # any process that later loads this state gives them.
         state._layout_of(bucket)
         state._keyed = bucket.is_last()
+        if state._keyed:
+            state._check_count(state._saved_shapes)
     if state.iteration < state.dense_iterations:
         compressor = _DENSE
     else:

@@ -212,6 +212,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         )
         self.exchange = exchange
         self._steps_taken = 0  # steps not skipped: the compressor's schedule reads it
+        # Compared across ranks before the first exchange, and again after each
+        # load_state_dict(): ranks resumed from different steps would send differently.
+        self._steps_unchecked = True
         self._comm.timed = self.profile
         self._ready = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -366,7 +369,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _send_drop(self) -> None:
         """This rank's part of a dropped step: what the other ranks' exchange waits for."""
-        self._check_frozen()  # the other ranks raise it before their exchange, so must this one
+        self._before_exchange()  # the other ranks run it before their exchange: so must this one
         self._drop_pending = False
         if self.exchange == "updates":  # everything happens in step(): its first collective
             self._refusal = self._agree_gradients_finite(dropped=True)
@@ -528,7 +531,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "optimizer steps before the ranks' scalers could agree); use the default "
                 "exchange='gradients'"
             )
-        self._check_frozen()
+        self._before_exchange()
         params = [p for p in self._params if p.grad is not None]
         refusal = self._agree_gradients_finite(dropped=self._drop_pending)
         self._drop_pending = False
@@ -627,25 +630,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
             },
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, keep_residuals: bool = True) -> None:
         """Load a ``state_dict()`` saved by this rank. Everything is checked first: a state
         saved with another world size, by another rank, with another compressor or
         error-feedback setting, or for other parameters, or residuals of the wrong shape,
         dtype or with NaN/Inf, raise ``ValueError`` naming what differs, and nothing is
-        changed."""
-        ours = self._check_state(state_dict)
-        self._check_schedule_state(ours)
+        changed.
+
+        ``keep_residuals=False`` continues on another world size, compressor, density or
+        error-feedback setting: it loads the wrapped optimizer's state, the step count (a
+        warm-up goes on where it was) and the statistics, and starts with empty residuals
+        (and momentum-correction velocities): the gradient they held, not sent yet, is
+        dropped. Every rank may load the same file (rank 0's, say). The parameters must
+        still be the ones saved."""
+        # Set first, refused load or not: every rank calls load_state_dict, and every rank
+        # must then take part in the check (one whose load is refused too).
+        self._steps_unchecked = True
+        ours = self._check_state(state_dict, keep_residuals)
+        self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
         # torch.optim.Optimizer.load_state_dict builds new group and state containers.
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
-        self._load_residuals(ours["residuals"])
+        self._load_residuals(ours["residuals"] if keep_residuals else [])
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
         self.total_stats = StepStats(**{k: v for k, v in saved_stats.items() if k in fields})
         self._steps_taken = int(ours.get("steps_taken", 0))
         self._engine.step = self._steps_taken
-        self._load_velocities(ours.get("velocities") or [])
+        self._load_velocities((ours.get("velocities") or []) if keep_residuals else [])
 
     def __repr__(self) -> str:
         return (
@@ -670,7 +683,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "the last inside `with opt.no_sync():`"
             )
         if not self._callback_queued:
-            self._check_frozen()  # before this backward sends anything
+            self._before_exchange()  # before this backward sends anything
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         if torch.is_grad_enabled():  # backward(create_graph=True)
@@ -691,7 +704,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (:meth:`drop_step`)."""
         if self._synchronized:
             return
-        self._check_frozen()
+        self._before_exchange()
         found_inf = self._unscale(grad_scaler) if grad_scaler is not None else []
         engine = self._engine
         engine.launch_all()
@@ -720,6 +733,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._refusal = refusal
         self._step_stats = stats
         self._synchronized = True
+
+    def _before_exchange(self) -> None:
+        """What every rank checks before its part of an exchange starts."""
+        self._check_frozen()
+        if self._steps_unchecked:
+            self._agree_on_steps()
+
+    def _agree_on_steps(self) -> None:
+        """One all-gather of each rank's step count, before the first exchange after
+        construction or ``load_state_dict``: ranks that resumed from checkpoints of
+        different steps (or of which only some loaded one) would follow different density
+        schedules, whose payloads do not match, and drift apart. Every rank raises alike."""
+        self._steps_unchecked = False
+        mine = torch.tensor([self._steps_taken], dtype=torch.int64, device=self._engine.device)
+        steps = self._comm.all_gather(mine).view(-1).tolist()
+        if len(set(steps)) > 1:
+            raise RuntimeError(
+                f"the ranks are at different steps (steps_taken by rank: {steps}): they "
+                "resumed from checkpoints saved at different steps, or not every rank "
+                "loaded one. Load on every rank the state_dict() that rank saved at the "
+                "same step"
+            )
 
     def _check_frozen(self) -> None:
         """Raise, before anything is sent, if a parameter that did not require grad when
@@ -950,7 +985,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 else:
                     target.copy_(saved.reshape(-1))
 
-    def _check_schedule_state(self, ours: dict) -> None:
+    def _check_schedule_state(self, ours: dict, keep_residuals: bool = True) -> None:
         """Validate the step count and momentum-correction velocities of a state dict's
         sparsecomm section (after ``_check_state``, before anything is loaded)."""
 
@@ -965,6 +1000,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise refuse(
                 f"saved with exchange={saved!r}, this optimizer has exchange={self.exchange!r}"
             )
+        if not keep_residuals:
+            return  # the velocities are not loaded either
         saved = ours.get("momentum_correction")
         if saved != self.momentum_correction:
             raise refuse(
@@ -1041,9 +1078,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     "same model and pass its parameters in the same order"
                 )
 
-    def _check_state(self, state_dict: Any) -> dict:
+    def _check_state(self, state_dict: Any, keep_residuals: bool = True) -> dict:
         """Validate a state dict completely before anything is loaded; return its
-        sparsecomm section."""
+        sparsecomm section. ``keep_residuals=False``: only what is loaded then."""
 
         def refuse(what: str) -> ValueError:
             return ValueError(f"load_state_dict: {what}")
@@ -1066,12 +1103,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise refuse(f"the 'sparsecomm' section lacks {missing}; it is not a saved state")
         if ours["format"] != _STATE_FORMAT:
             raise refuse(f"unknown state format {ours['format']!r}")
+        shapes = [list(p.shape) for p in self._params]
+        if not keep_residuals:
+            if ours["shapes"] != shapes:
+                raise refuse(_first_difference(ours["shapes"], shapes))
+            return ours
         if ours["world_size"] != self.world_size:
             raise refuse(
                 f"saved with world_size={ours['world_size']}, loading with "
                 f"world_size={self.world_size}. Residuals belong to ranks, so this checkpoint "
                 "resumes only on the same world size; to continue on another one without "
-                "residuals, call opt.optimizer.load_state_dict(state_dict['optimizer'])"
+                "residuals, call opt.load_state_dict(state_dict, keep_residuals=False)"
             )
         if ours["rank"] != self.rank:
             raise refuse(
@@ -1082,20 +1124,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise refuse(
                 f"saved with compressor {ours['compressor']}, this optimizer uses "
                 f"{self.compressor.config()}; construct it with the compressor it was saved "
-                "with, or load only opt.optimizer.load_state_dict(state_dict['optimizer'])"
+                "with, or continue without the residuals: opt.load_state_dict(state_dict, "
+                "keep_residuals=False)"
             )
         if ours["error_feedback"] != self.error_feedback:
             raise refuse(
                 f"saved with error_feedback={ours['error_feedback']}, this optimizer has "
-                f"error_feedback={self.error_feedback}"
+                f"error_feedback={self.error_feedback}; to continue without the residuals: "
+                "opt.load_state_dict(state_dict, keep_residuals=False)"
             )
         saved_min = ours.get("min_compress_numel", self.min_compress_numel)
         if saved_min != self.min_compress_numel:
             raise refuse(
                 f"saved with min_compress_numel={saved_min}, this optimizer has "
-                f"min_compress_numel={self.min_compress_numel}"
+                f"min_compress_numel={self.min_compress_numel}; to continue without the "
+                "residuals: opt.load_state_dict(state_dict, keep_residuals=False)"
             )
-        shapes = [list(p.shape) for p in self._params]
         if ours["shapes"] != shapes:
             raise refuse(_first_difference(ours["shapes"], shapes))
         residuals = ours["residuals"]
@@ -1138,7 +1182,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if not bool(torch.isfinite(saved).all()):
                 raise refuse(
                     f"residual {position} holds NaN or Inf; the checkpoint is corrupt. Load "
-                    "only opt.optimizer.load_state_dict(state_dict['optimizer']) to start "
+                    "it with opt.load_state_dict(state_dict, keep_residuals=False) to start "
                     "with empty residuals"
                 )
         return ours

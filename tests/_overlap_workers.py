@@ -4,6 +4,7 @@ the DDP comm-hook front door. Each takes ``(rank, world_size, ...)`` and returns
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 
 import torch
@@ -327,6 +328,24 @@ def ddp_hook_dense_matches_ddp(rank, world_size, steps):
     _ddp_train(rank, plain, None, steps)
     _ddp_train(rank, hooked, sparsecomm.ddp_comm_hook(sparsecomm.Dense()), steps)
     return flat(plain), flat(hooked)
+
+
+def ddp_hook_loaded_at_different_iterations(rank, world_size):
+    """Rank 0 loads its hook state of iteration 2, rank 1 its state of iteration 1 (with a
+    warm-up their densities would differ); returns the error of the next backward."""
+    model = make_model()
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1, warmup_steps=5))
+    saves = []
+    for step in range(2):
+        _ddp_train(rank, model, (state, hook), step + 1, start=step)
+        saves.append(copy.deepcopy(state.state_dict()))
+    fresh, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1, warmup_steps=5))
+    fresh.load_state_dict(saves[1] if rank == 0 else saves[0])
+    try:
+        _ddp_train(rank, make_model(), (fresh, hook), 1)
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 def ddp_hook_resume(rank, world_size, directory, phase, save_at, steps, cap):

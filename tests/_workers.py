@@ -172,6 +172,42 @@ def resume(rank, world_size, phase, directory, configs, save_at, steps):
     return out
 
 
+def resumed_at_different_steps(rank, world_size):
+    """Each rank saves after steps 2 and 4; then ranks load saves of different steps (into
+    a new optimizer, and mid-run into the running one, whose next exchange starts in a
+    backward hook), or only rank 0 loads. Returns each case's error message (or None)."""
+    model = make_model(seed=0)
+    opt = wrap(model, sparsecomm.TopK(0.05, warmup_steps=10))
+    saves = {}
+    for step in range(4):
+        train_step(model, opt, rank, step)
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        saves[step + 1] = buffer.getvalue()
+
+    def load(step):
+        return torch.load(io.BytesIO(saves[step]), weights_only=True)
+
+    messages = []
+    for case in ("mid-run", "new", "rank 0 only"):
+        if case != "mid-run":
+            opt = wrap(model, sparsecomm.TopK(0.05, warmup_steps=10))
+        if case != "rank 0 only" or rank == 0:
+            opt.load_state_dict(load(4 if rank == 0 else 2))
+        x, y = batch(rank, 10)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        where = "backward"  # mid-run the check runs in the first gradient hook
+        try:
+            loss.backward()
+            where = "step"
+            opt.step()
+            messages.append(None)
+        except RuntimeError as error:
+            messages.append(f"{where}: {error}")
+            opt.zero_grad()
+    return messages
+
+
 # ------------------------------------------------------------------ no hangs
 
 

@@ -517,9 +517,7 @@ def test_load_state_dict_errors_say_what_differs():
         other.load_state_dict(state)
 
     wrong_world = {**state, "sparsecomm": {**state["sparsecomm"], "world_size": 4}}
-    with pytest.raises(
-        ValueError, match="world_size=4.*world_size=1.*opt.optimizer.load_state_dict"
-    ):
+    with pytest.raises(ValueError, match="world_size=4.*world_size=1.*keep_residuals=False"):
         opt.load_state_dict(wrong_world)
 
     wrong_rank = {**state, "sparsecomm": {**state["sparsecomm"], "rank": 2}}
@@ -528,6 +526,45 @@ def test_load_state_dict_errors_say_what_differs():
 
     with pytest.raises(ValueError, match="not a CompressedOptimizer.state_dict"):
         opt.load_state_dict(sgd(model).state_dict())
+
+
+def test_keep_residuals_false_moves_to_another_world_size_or_compressor():
+    """The warm-up's clock, the statistics and the wrapped optimizer's state carry over;
+    the residuals start empty; another model is still refused."""
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05, warmup_steps=20)
+    )
+    train(model, opt, 6)
+    state = opt.state_dict()
+    assert any(r is not None and r.abs().sum() > 0 for r in state["sparsecomm"]["residuals"])
+    on_four = {**state, "sparsecomm": {**state["sparsecomm"], "world_size": 4, "rank": 3}}
+    for compressor in (sparsecomm.TopK(0.05, warmup_steps=20), sparsecomm.TopK(0.01)):
+        again = sparsecomm.CompressedOptimizer(torch.optim.AdamW(model.parameters()), compressor)
+        with pytest.raises(ValueError, match="keep_residuals=False"):
+            again.load_state_dict(on_four)
+        again.load_state_dict(on_four, keep_residuals=False)
+        assert again.steps_taken == 6 and again.total_stats.steps == 6
+        inner = again.optimizer.state_dict()["state"]
+        for index, saved in state["optimizer"]["state"].items():
+            assert torch.equal(inner[index]["exp_avg_sq"], saved["exp_avg_sq"])
+        residuals = again.state_dict()["sparsecomm"]["residuals"]
+        assert all(r is None or not r.any() for r in residuals)
+    warm = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05, warmup_steps=20)
+    )
+    warm.load_state_dict(on_four, keep_residuals=False)
+    train(model, warm, 1)
+    # the warm-up's 7th step (0.25 * 0.2^(6/20) = 0.154), not its first (0.25)
+    assert warm.last_stats.scheduled_density == pytest.approx(0.25 * 0.2 ** (6 / 20))
+    assert warm.steps_taken == 7
+
+    other = sparsecomm.CompressedOptimizer(
+        sgd(torch.nn.Sequential(torch.nn.Linear(40, 51), torch.nn.ReLU(), torch.nn.Linear(51, 3))),
+        sparsecomm.TopK(0.05),
+    )
+    with pytest.raises(ValueError, match=r"parameter 0 is shape \(50, 40\)"):
+        other.load_state_dict(state, keep_residuals=False)
 
 
 # ------------------------------------------------------------------ packaging

@@ -235,6 +235,17 @@ def test_resume_in_new_processes_is_bitwise_equal(tmp_path):
             )
 
 
+def test_ranks_resumed_at_different_steps_raise_on_every_rank_before_sending():
+    # Without the check, the warm-up's densities differ, so do the all-gathers' sizes, and
+    # gloo aborts the process (or, with equal sizes, the ranks drift apart silently).
+    for messages in run_ranks(_workers.resumed_at_different_steps, 2, timeout=90):
+        mid_run, new, rank_0_only = messages
+        assert mid_run.startswith("backward: ") and "steps_taken by rank: [4, 2]" in mid_run
+        assert new.startswith("step: ") and "steps_taken by rank: [4, 2]" in new
+        assert rank_0_only.startswith("step: ") and "by rank: [4, 0]" in rank_0_only
+        assert "that rank saved at the same step" in new
+
+
 def test_mismatched_models_raise_on_every_rank():
     messages = run_ranks(_workers.mismatched_model, 3, timeout=60)
     for message in messages:

@@ -248,6 +248,11 @@ def test_ddp_hook_resumes_bitwise(tmp_path, cap, phase):
         assert all(torch.equal(residual_a[k], residual_b[k]) for k in residual_a)
 
 
+def test_ddp_hook_states_of_different_iterations_raise_on_every_rank():
+    for message in run_ranks(w.ddp_hook_loaded_at_different_iterations, 2, timeout=90):
+        assert message is not None and "different iterations ([2, 1] by rank)" in message
+
+
 def test_ddp_hook_carries_residuals_through_a_layout_change(tmp_path):
     """Small DDP buckets: DDP rebuilds them after each process's first iteration, and a
     resumed process starts from its first layout again. Every parameter keeps a residual
@@ -284,8 +289,32 @@ def test_ddp_hook_refuses_a_residual_of_another_model():
     hook(state, _Bucket(torch.linspace(1, 2, 10))).wait()
     other, other_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
     other.load_state_dict(state.state_dict())
-    with pytest.raises(ValueError, match="has 10 elements, but that parameter has 12"):
+    with pytest.raises(ValueError, match=r"has shape \[12\].* it has shape \[10\]"):
         other_hook(other, _Bucket(torch.zeros(12)))
+
+
+@pytest.mark.parametrize("change", ["a layer more", "a layer less"])
+def test_ddp_hook_refuses_a_model_with_parameters_of_the_same_sizes_added_or_removed(change):
+    """Keys are positions in DDP's first layout: a model with one more (or one fewer)
+    parameter of the same shape would take residuals for the wrong parameters."""
+    a, b, c = (torch.nn.Parameter(torch.zeros(4)) for _ in range(3))
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.5))
+    hook(state, _Bucket(torch.linspace(1, 2, 8), params=[a, b])).wait()
+    saved = state.state_dict()
+    assert saved["shapes"] == {0: [4], 1: [4]}
+    other, other_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.5))
+    other.load_state_dict(saved)
+    if change == "a layer more":
+        with pytest.raises(ValueError, match="parameter 2 .* of 2 parameters, it is not there"):
+            other_hook(other, _Bucket(torch.zeros(12), params=[c, a, b])).wait()
+    else:
+        with pytest.raises(ValueError, match="this model has 1 parameters, the loaded state's"):
+            other_hook(other, _Bucket(torch.zeros(4), params=[a])).wait()
+    # Refused at the load when the hook has seen this process's model already.
+    seen, seen_hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.5))
+    seen_hook(seen, _Bucket(torch.zeros(12), params=[c, a, b])).wait()
+    with pytest.raises(ValueError, match="parameter 2 .* it is not there"):
+        seen.load_state_dict(saved)
 
 
 class _Bucket:
