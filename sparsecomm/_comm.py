@@ -125,6 +125,12 @@ class Communicator:
         )
         return out.view(self.world_size, *tensor.shape), work
 
+    def all_gather_int(self, value: int, device: torch.device) -> list[int]:
+        """Every rank's ``value``, in rank order: one all-gather of an int64 on ``device``
+        and a host sync (every rank must call)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        return self.all_gather(mine).view(-1).tolist()
+
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, in rank order (every rank must call)."""
         if not self.distributed:

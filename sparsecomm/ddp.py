@@ -248,8 +248,7 @@ class DDPCommHookState:
         construction or a load: ranks that loaded states of different iterations would
         pick different compressors or densities, whose payloads do not match."""
         self._iteration_unchecked = False
-        mine = torch.tensor([self.iteration], dtype=torch.int64, device=device)
-        iterations = self.comm.all_gather(mine).view(-1).tolist()
+        iterations = self.comm.all_gather_int(self.iteration, device)
         if len(set(iterations)) > 1:
             raise RuntimeError(
                 f"DDPCommHookState: the ranks are at different iterations ({iterations} by "

@@ -746,8 +746,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         different steps (or of which only some loaded one) would follow different density
         schedules, whose payloads do not match, and drift apart. Every rank raises alike."""
         self._steps_unchecked = False
-        mine = torch.tensor([self._steps_taken], dtype=torch.int64, device=self._engine.device)
-        steps = self._comm.all_gather(mine).view(-1).tolist()
+        steps = self._comm.all_gather_int(self._steps_taken, self._engine.device)
         if len(set(steps)) > 1:
             raise RuntimeError(
                 f"the ranks are at different steps (steps_taken by rank: {steps}): they "
