@@ -23,7 +23,7 @@ constant gradient ``g / tau``, at once:
 correction, as AdamW would have taken them (its second form is what runs: the geometric sum
 in closed form, the corrections' share term by term for the first ``momenta_terms(beta1)``
 steps, 165 for beta1 = 0.9, for a coordinate last received before that step: later, the
-corrections are 1 in float32, ``beta1`` to that power being below ``2^-25``);
+corrections are 1 in float32, ``beta1`` to that power being at most ``2^-25``);
 the new ``v`` and step ``t``'s correction stand for the ``tau`` steps' second moments. A
 coordinate whose gradient is zero is left alone (its moments and ``last`` too) but for the
 decoupled weight decay ``p <- p * (1 - lr * weight_decay)``, which every coordinate takes
@@ -106,8 +106,11 @@ class CatchUpAdamW(torch.optim.Optimizer):
             where="CatchUpAdamW parameter group",
         )  # fmt: skip
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)  # (generators)
-        param_group = {**param_group, "params": params}
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # (torch refuses a set: its order varies by run)
+            params = list(params)  # (a generator, read once)
+            param_group = {**param_group, "params": params}
         for param in params:
             if isinstance(param, torch.Tensor) and param.dtype not in _DTYPES:
                 raise TypeError(
@@ -212,11 +215,12 @@ def catch_up_adamw_(
     from 1.
 
     On CUDA, one Triton kernel (``triton_kernels/catchup.py``; ``SPARSECOMM_KERNELS=torch``
-    runs the torch ops below instead, over the whole parameter, with no host
-    synchronisation). On a CPU, where the host learns for free how many coordinates
-    received something, over those alone when they are fewer than half (behind ``TopK``,
-    most steps): the catch-up's arithmetic, two exponentials per coordinate among it, then
-    costs in proportion to what was sent; else over every coordinate, in chunks."""
+    runs the torch ops below instead, over the whole parameter, with one host
+    synchronisation: the longest wait to catch up term by term). On a CPU, where the host
+    learns for free how many coordinates received something, over those alone when they
+    are fewer than half (behind ``TopK``, most steps): the catch-up's arithmetic, two
+    exponentials per coordinate among it, then costs in proportion to what was sent; else
+    over every coordinate, in chunks."""
     global _kernel_failed
     if _ops.use_triton(param) and not _kernel_failed and min(betas) > 0 and param.is_contiguous():
         try:
@@ -295,7 +299,7 @@ def _catch_up(g, exp_avg, exp_avg_sq, last_step, step, lr, betas, eps):
     limit = momenta_terms(beta1)
     young = last < limit
     start = torch.where(young, _power(beta1, last), torch.zeros_like(last))
-    weights = _momenta_weights(beta1, tau, young, start, decay1, limit, g.is_cuda)
+    weights = _momenta_weights(beta1, tau, young, start, decay1, limit)
     # The bias-corrected momenta of the tau steps, summed.
     momenta = torch.addcmul(tau * g, exp_avg - (1.0 - start) * g, weights)
     new_avg = torch.lerp(exp_avg, g, 1.0 - decay1)
@@ -311,23 +315,21 @@ def _power(beta: float, exponent: torch.Tensor) -> torch.Tensor:
     return (exponent == 0).float()
 
 
-def _momenta_weights(beta1, tau, young, start, decay1, limit, on_cuda: bool) -> torch.Tensor:
+def _momenta_weights(beta1, tau, young, start, decay1, limit) -> torch.Tensor:
     """``sum over k = 1..tau of beta1^k / (1 - beta1^(last + k))``: the weight of the old
     momentum's bias-corrected excess in the momenta of the tau steps. The geometric sum in
     closed form, plus, for a coordinate last received before step ``limit`` (``momenta_terms``),
     the bias corrections' share term by term for the first ``min(tau, limit)`` steps (later
-    terms are below ``beta1^(2 limit)``): as many as the longest wait needs, read on a CPU;
-    all of them on CUDA (no host sync)."""
+    terms are below ``beta1^(2 limit)``): as many as the longest wait needs, read by the
+    host (on CUDA a sync, but late in training no turn at all, where ``limit`` turns of
+    seven launches each would cost far more)."""
     weights = (1.0 - decay1).mul_(beta1 / (1.0 - beta1)) if beta1 > 0 else torch.zeros_like(tau)
     if beta1 == 0:
         return weights
     # Only a coordinate last received within the first `limit` steps has corrections that
     # matter: later, 1 - beta1^(last + k) is 1 in float32.
     wait = torch.where(young, tau.clamp(max=limit), torch.zeros_like(tau))
-    if on_cuda:
-        terms = limit  # (the kernel reads the longest wait per block itself)
-    else:
-        terms = int(wait.max().item()) if wait.numel() else 0
+    terms = int(wait.max().item()) if wait.numel() else 0
     x = start  # beta1^(last + k) as k goes
     bk = 1.0
     for k in range(1, terms + 1):

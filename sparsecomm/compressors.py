@@ -22,6 +22,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import torch
 
@@ -211,6 +212,11 @@ class Compressor:
     def config(self) -> dict:
         """Plain-value description, compared across ranks and stored in checkpoints."""
         return {"name": type(self).__name__}
+
+    def matches(self, saved: Any) -> bool:
+        """Is ``saved``, a :meth:`config` stored in a checkpoint (perhaps by an earlier
+        release), this compressor's?"""
+        return saved == self.config()
 
     def graph_signature(self, numel: int) -> tuple | None:
         """What fixes the shapes and kernels of ``compress`` on a bucket of ``numel``
@@ -575,7 +581,7 @@ class TopK(_Sparse):
         warmup_steps: steps of warm-up (default 0: ``density`` from the first step).
         warmup: the warm-up's shape, ``"exponential"`` or ``"dense"``.
         warmup_start: the density of the first exponential warm-up step, in ``[density,
-            1]`` (default 0.25, DGC's first stage).
+            1]`` (default 0.25, DGC's first stage); a dense warm-up ignores it.
         select: ``"magnitude"`` or ``"adam"``, as above.
 
     Example:
@@ -623,12 +629,6 @@ class TopK(_Sparse):
                 f"TopK(warmup_start={warmup_start}) is invalid: the warm-up starts at a density "
                 f"in [density, 1] = [{density}, 1] and decays to density"
             )
-        if warmup_steps and warmup == "dense" and warmup_start != 0.25:
-            raise ValueError(
-                f"TopK(warmup='dense', warmup_start={warmup_start}) is invalid: warmup_start "
-                "is the first density of the exponential warm-up; a dense warm-up sends "
-                "everything, so leave warmup_start out"
-            )
         if select not in self.SELECTIONS:
             raise ValueError(
                 f"TopK(select={select!r}) is invalid: it is 'magnitude' (the largest "
@@ -647,10 +647,16 @@ class TopK(_Sparse):
         if self.select != "magnitude":
             config["select"] = self.select
         if self.warmup_steps:
-            config.update(
-                warmup_steps=self.warmup_steps, warmup=self.warmup, warmup_start=self.warmup_start
-            )
+            config.update(warmup_steps=self.warmup_steps, warmup=self.warmup)
+            if self.warmup == "exponential":  # (a dense warm-up has no use for it)
+                config["warmup_start"] = self.warmup_start
         return config
+
+    def matches(self, saved: Any) -> bool:
+        # Checkpoints of earlier code keep a dense warm-up's warmup_start, which it ignores.
+        if isinstance(saved, dict) and saved.get("warmup") == "dense":
+            saved = {k: v for k, v in saved.items() if k != "warmup_start"}
+        return super().matches(saved)
 
     def __repr__(self):
         select = "" if self.select == "magnitude" else f", select={self.select!r}"

@@ -117,7 +117,8 @@ class DDPCommHookState:
         self._keyed = False  # every parameter has its key (after this process's first iteration)
         self._shapes: dict[int, list[int]] = {}  # key: its parameter's shape
         self._saved_shapes: dict[int, list[int]] = {}  # key: shape, of a loaded state's model
-        # Compared across ranks at the first bucket after construction or a load.
+        # Compared across ranks at the first bucket (after a resume's load_state_dict); not
+        # after a later load, which some ranks alone may call.
         self._iteration_unchecked = True
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # index: [(key, numel)]
         self._loose: dict[int, torch.Tensor] = {}  # key: residual between layouts
@@ -146,9 +147,6 @@ class DDPCommHookState:
         more or fewer of them, in the order DDP first hands them over) raises
         ``ValueError`` here if the hook has seen this process's model, else when DDP first
         hands over a parameter that differs (or at the end of that first iteration)."""
-        # Set first, refused load or not: every rank calls load_state_dict, and every rank
-        # must then take part in the check (one whose load is refused too).
-        self._iteration_unchecked = True
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 "DDPCommHookState.load_state_dict: not a saved hook state (format "
@@ -161,7 +159,12 @@ class DDPCommHookState:
             "error_feedback": self.error_feedback,
         }
         for key, value in expected.items():
-            if state.get(key) != value:
+            same = (
+                self.compressor.matches(state.get(key))
+                if key == "compressor"
+                else state.get(key) == value
+            )
+            if not same:
                 raise ValueError(
                     f"DDPCommHookState.load_state_dict: saved with {key}={state.get(key)!r}, "
                     f"this hook has {key}={value!r}; residuals belong to one rank, world size "
@@ -244,9 +247,9 @@ class DDPCommHookState:
             )
 
     def _agree_on_iteration(self, device: torch.device) -> None:
-        """One all-gather of each rank's iteration count, at the first bucket after
-        construction or a load: ranks that loaded states of different iterations would
-        pick different compressors or densities, whose payloads do not match."""
+        """One all-gather of each rank's iteration count, at this state's first bucket:
+        ranks that loaded states of different iterations would pick different compressors
+        or densities, whose payloads do not match."""
         self._iteration_unchecked = False
         iterations = self.comm.all_gather_int(self.iteration, device)
         if len(set(iterations)) > 1:

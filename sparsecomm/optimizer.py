@@ -212,8 +212,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         )
         self.exchange = exchange
         self._steps_taken = 0  # steps not skipped: the compressor's schedule reads it
-        # Compared across ranks before the first exchange, and again after each
-        # load_state_dict(): ranks resumed from different steps would send differently.
+        # Compared across ranks before the first exchange (after a resume's load_state_dict:
+        # ranks resumed from different steps would send differently). Not after a later
+        # load, which some ranks alone may call: the check would then be theirs alone.
         self._steps_unchecked = True
         self._comm.timed = self.profile
         self._ready = False
@@ -643,9 +644,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (and momentum-correction velocities): the gradient they held, not sent yet, is
         dropped. Every rank may load the same file (rank 0's, say). The parameters must
         still be the ones saved."""
-        # Set first, refused load or not: every rank calls load_state_dict, and every rank
-        # must then take part in the check (one whose load is refused too).
-        self._steps_unchecked = True
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
@@ -741,10 +739,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._agree_on_steps()
 
     def _agree_on_steps(self) -> None:
-        """One all-gather of each rank's step count, before the first exchange after
-        construction or ``load_state_dict``: ranks that resumed from checkpoints of
-        different steps (or of which only some loaded one) would follow different density
-        schedules, whose payloads do not match, and drift apart. Every rank raises alike."""
+        """One all-gather of each rank's step count, before this optimizer's first exchange:
+        ranks that resumed from checkpoints of different steps (or of which only some
+        loaded one) would follow different density schedules, whose payloads do not
+        match, and drift apart. Every rank raises alike."""
         self._steps_unchecked = False
         steps = self._comm.all_gather_int(self._steps_taken, self._engine.device)
         if len(set(steps)) > 1:
@@ -999,14 +997,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise refuse(
                 f"saved with exchange={saved!r}, this optimizer has exchange={self.exchange!r}"
             )
-        if not keep_residuals:
-            return  # the velocities are not loaded either
         saved = ours.get("momentum_correction")
         if saved != self.momentum_correction:
+            # (the wrapped optimizer's groups, loaded next, carry its own momentum)
             raise refuse(
                 f"saved with momentum_correction={saved}, this optimizer has "
                 f"momentum_correction={self.momentum_correction}"
             )
+        if not keep_residuals:
+            return  # the velocities are not loaded either
         velocities = ours.get("velocities") or []
         if self.momentum_correction is None:
             if any(v is not None for v in velocities):
@@ -1119,7 +1118,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"saved by rank {ours['rank']}, loading on rank {self.rank}; each rank must "
                 "load the file it saved"
             )
-        if ours["compressor"] != self.compressor.config():
+        if not self.compressor.matches(ours["compressor"]):
             raise refuse(
                 f"saved with compressor {ours['compressor']}, this optimizer uses "
                 f"{self.compressor.config()}; construct it with the compressor it was saved "

@@ -851,8 +851,10 @@ def format_plan(
                 + (
                     f"{_pct(time_cross)}."
                     if time_cross < 1
-                    else "none: at every density the sparse rows take less time (the "
-                    "dense all-reduce's latency terms cost more than all the bytes)."
+                    else "none: at every density the all-gather of the pairs takes less "
+                    "time than the dense all-reduce, whose latency terms cost more than all "
+                    "the bytes (the rows above add Threshold's count all-gather, and send "
+                    "dense above the byte crossover)."
                 )
             )
         lines.append(

@@ -565,6 +565,15 @@ def test_keep_residuals_false_moves_to_another_world_size_or_compressor():
     )
     with pytest.raises(ValueError, match=r"parameter 0 is shape \(50, 40\)"):
         other.load_state_dict(state, keep_residuals=False)
+    # The wrapped optimizer's groups carry its momentum: a state of SGD(momentum=0.9) in an
+    # optimizer that applies momentum_correction would apply momentum twice.
+    with_momentum = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, with_momentum, 1)
+    corrected = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), sparsecomm.TopK(0.05), momentum_correction=0.9
+    )
+    with pytest.raises(ValueError, match="momentum_correction"):
+        corrected.load_state_dict(with_momentum.state_dict(), keep_residuals=False)
 
 
 # ------------------------------------------------------------------ packaging

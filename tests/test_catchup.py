@@ -257,6 +257,28 @@ def test_a_parameter_it_would_round_is_refused_with_the_fix(dtype):
         opt.add_param_group({"params": param})
 
 
+def test_a_set_of_parameters_is_refused_as_torch_refuses_it():
+    # (a set's order, and so the state_dict's indices, changes from run to run)
+    param = torch.zeros(3, requires_grad=True)
+    with pytest.raises(TypeError, match="set"):
+        sparsecomm.CatchUpAdamW([{"params": {param}}])
+    opt = sparsecomm.CatchUpAdamW([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(TypeError, match="set"):
+        opt.add_param_group({"params": {param}})
+
+
+def test_momenta_terms_reach_float32s_one_and_are_never_one():
+    from sparsecomm.catchup import momenta_terms
+
+    assert momenta_terms(0.9) == 165 and momenta_terms(0.99) == 1725
+    for beta1 in (0.5, 0.9, 0.99, 0.999):
+        n = momenta_terms(beta1)
+        assert beta1**n <= 2**-25 < beta1 ** (n - 1)
+        assert torch.tensor(1.0 - beta1**n, dtype=torch.float32).item() == 1.0
+    # Triton makes an int argument of 1 a constant, which the kernel cannot convert
+    assert momenta_terms(1e-9) == 2
+
+
 def test_an_adamw_state_is_refused_before_anything_changes():
     param = torch.ones(4, requires_grad=True)
     adamw = torch.optim.AdamW([param], lr=1e-2)

@@ -238,12 +238,14 @@ def test_resume_in_new_processes_is_bitwise_equal(tmp_path):
 def test_ranks_resumed_at_different_steps_raise_on_every_rank_before_sending():
     # Without the check, the warm-up's densities differ, so do the all-gathers' sizes, and
     # gloo aborts the process (or, with equal sizes, the ranks drift apart silently).
-    for messages in run_ranks(_workers.resumed_at_different_steps, 2, timeout=90):
-        mid_run, new, rank_0_only = messages
-        assert mid_run.startswith("backward: ") and "steps_taken by rank: [4, 2]" in mid_run
-        assert new.startswith("step: ") and "steps_taken by rank: [4, 2]" in new
-        assert rank_0_only.startswith("step: ") and "by rank: [4, 0]" in rank_0_only
-        assert "that rank saved at the same step" in new
+    results = run_ranks(_workers.resumed_at_different_steps, 2, timeout=90)
+    for (different, rank_0_only), _ in results:
+        assert different is not None and "steps_taken by rank: [4, 2]" in different
+        assert "that rank saved at the same step" in different
+        assert rank_0_only is not None and "steps_taken by rank: [4, 0]" in rank_0_only
+    # A load by one rank alone later on is not checked (a check only it ran would hang):
+    # reloading the state of the step it is at keeps the ranks in sync.
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def test_mismatched_models_raise_on_every_rank():

@@ -20,13 +20,14 @@ import triton.language as tl
 
 def momenta_terms(beta1: float) -> int:
     """How many steps after a coordinate's previous receipt its bias corrections enter its
-    momenta term by term: until ``beta1 ** steps`` falls below ``2 ** -25``, where ``1 -
-    beta1 ** steps`` rounds to 1 in float32 (165 steps for beta1 = 0.9, 1725 for 0.99). A
-    coordinate last received that late has corrections of 1, exactly in float32. The torch
-    ops (``sparsecomm.catchup``) use the same number."""
+    momenta term by term: the smallest ``N`` with ``beta1 ** N <= 2 ** -25``, where ``1 -
+    beta1 ** N`` rounds to 1 in float32 (165 steps for beta1 = 0.9, 1725 for 0.99), and at
+    least 2 (Triton would make an argument of 1 a constant). A coordinate last received
+    that late has corrections of 1, exactly in float32. The torch ops
+    (``sparsecomm.catchup``) use the same number."""
     if not 0.0 < beta1 < 1.0:
         return 0
-    return math.ceil(25.0 / -math.log2(beta1))
+    return max(2, math.ceil(25.0 / -math.log2(beta1)))
 
 
 BLOCK_SIZE = 2048  # elements per program; an elementwise pass, 8 per thread with 8 warps
