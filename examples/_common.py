@@ -178,6 +178,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--density must be in (0, 1], got {args.density}; 1% is 0.01")
     if args.density_warmup < 0:
         parser.error(f"--density-warmup must be >= 0, got {args.density_warmup}")
+    if not 0 < args.density_warmup_start <= 1:
+        parser.error(
+            f"--density-warmup-start must be in (0, 1], got {args.density_warmup_start}; the "
+            "exponential warm-up's first density (below --density it starts at --density)"
+        )
+    if args.select == "adam" and args.compressor != "topk":
+        parser.error("--select adam picks TopK's coordinates: it needs --compressor topk")
     if args.momentum_correction and args.exchange == "updates":
         parser.error("--momentum-correction works on gradients, not with --exchange updates")
     if args.momentum_correction and args.optimizer != "sgd":
@@ -344,9 +351,12 @@ def _config_for_resume(args: argparse.Namespace, world_size: int) -> dict:
         "exchange",
     )
     config = {key: getattr(args, key) for key in keys}
-    config["density" if args.compressor == "topk" else "threshold"] = (
-        args.density if args.compressor == "topk" else args.threshold
-    )
+    if args.compressor in ("topk", "threshold"):
+        config["density" if args.compressor == "topk" else "threshold"] = (
+            args.density if args.compressor == "topk" else args.threshold
+        )
+    if getattr(args, "accumulate", 1) != 1:  # (absent from older checkpoints)
+        config["accumulate"] = args.accumulate
     if getattr(args, "select", "magnitude") != "magnitude":  # (absent from older checkpoints)
         config["select"] = args.select
     config["world_size"] = world_size
@@ -391,6 +401,8 @@ def load_checkpoint(
     folder = root / (root / LATEST).read_text().strip()
     meta = json.loads((folder / "meta.json").read_text())
     expected = _config_for_resume(args, world_size)
+    if meta["config"].get("compressor") not in ("topk", "threshold"):
+        meta["config"].pop("threshold", None)  # (kept, unused, by older checkpoints)
     if meta["config"] != expected:
         changed = {
             key: (meta["config"].get(key), expected.get(key))

@@ -99,6 +99,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     check_args(parser, args)
+    for flag in ("width", "layers", "heads", "context", "text_bytes", "val_batches"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     rank, world_size, device = init_distributed()
 
     text = load_stdlib_text(args.text_bytes)

@@ -17,7 +17,9 @@ class StepStats:
         elements_sent: gradient elements this rank sent (values, not bytes).
         elements: gradient elements in the buckets.
         steps: steps counted (1 in ``last_stats``).
-        skipped_steps: steps skipped because of a non-finite gradient under GradScaler.
+        skipped_steps: steps that changed no parameter: skipped for a non-finite gradient
+            (under GradScaler, or refused with ``NonFiniteGradientError``), dropped
+            (``drop_step()``), or left without ``step()`` by ``zero_grad()``.
         compress_seconds: time spent compressing (``profile=True`` only, else 0).
         communicate_seconds: time spent inside collectives (``profile=True`` only).
         aggregate_seconds: time spent decoding and averaging what arrived (``profile=True``

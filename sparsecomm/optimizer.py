@@ -374,7 +374,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._drop_pending = False
         if self.exchange == "updates":  # everything happens in step(): its first collective
             self._refusal = self._agree_gradients_finite(dropped=True)
-            self._step_stats = StepStats(steps=1)
+            self._step_stats = self._refused_stats()
             self._synchronized = self._dropped_here = True
             return
         with torch.no_grad():
@@ -537,7 +537,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         refusal = self._agree_gradients_finite(dropped=self._drop_pending)
         self._drop_pending = False
         if refusal is not None:
-            self._step_stats = StepStats(steps=1)
+            self._step_stats = self._refused_stats()
             self._finish_step(skipped=True)
             raise refusal
         before = [p.detach().clone() for p in params]
@@ -731,6 +731,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._refusal = refusal
         self._step_stats = stats
         self._synchronized = True
+
+    def _refused_stats(self) -> StepStats:
+        """A step of ``exchange="updates"`` refused before anything was sent: counted, at
+        the density its schedule set (nothing sent)."""
+        return StepStats(
+            steps=1, scheduled_density=_scheduled_density(self.compressor, self._steps_taken)
+        )
 
     def _before_exchange(self) -> None:
         """What every rank checks before its part of an exchange starts."""

@@ -251,6 +251,26 @@ def test_resume_refuses_other_settings(tmp_path):
         common.load_checkpoint(str(tmp_path), None, None, saved, 0, 4)
     # No checkpoint yet: --resume starts at step 0.
     assert common.load_checkpoint(str(tmp_path / "empty"), None, None, saved, 0, 2) == 0
+    # --accumulate changes which micro-batches a step takes: refused too.
+    more = parser.parse_args(["--checkpoint", str(tmp_path), "--resume", "--accumulate", "3"])
+    with pytest.raises(ValueError, match=r"'accumulate': \(None, 3\)"):
+        common.load_checkpoint(str(tmp_path), None, None, more, 0, 2)
+
+
+def test_resume_of_a_dense_run_ignores_the_unused_threshold(tmp_path):
+    common = _common()
+    parser = common.make_parser("test")
+    saved = parser.parse_args(["--compressor", "dense", "--checkpoint", str(tmp_path)])
+    folder = tmp_path / "step-00000002"
+    folder.mkdir()
+    config = {**common._config_for_resume(saved, 2), "threshold": 0.001}  # as older code saved
+    (folder / "meta.json").write_text(json.dumps({"step": 2, "config": config}))
+    (tmp_path / common.LATEST).write_text(folder.name)
+    now = parser.parse_args(
+        ["--compressor", "dense", "--checkpoint", str(tmp_path), "--resume", "--threshold", "0.5"]
+    )
+    with pytest.raises(FileNotFoundError):  # past the settings check: no model.pt here
+        common.load_checkpoint(str(tmp_path), torch.nn.Linear(1, 1), None, now, 0, 2)
 
 
 def run_compare(out: Path, *flags: str) -> None:
@@ -338,3 +358,18 @@ def test_select_adam_needs_an_adam_optimizer_and_gradients():
         with pytest.raises(SystemExit):
             common.check_args(parser, args)
     common.check_args(parser, parser.parse_args(["--select", "adam", "--optimizer", "adamw"]))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--select", "adam", "--optimizer", "adamw", "--compressor", "dense"],
+        ["--density-warmup", "5", "--density-warmup-start", "0"],
+        ["--density-warmup", "5", "--density-warmup-start", "-1"],
+    ],
+)
+def test_flags_that_would_do_nothing_are_refused(flags):
+    common = _common()
+    parser = common.make_parser("test")
+    with pytest.raises(SystemExit):
+        common.check_args(parser, parser.parse_args(flags))

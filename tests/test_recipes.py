@@ -86,6 +86,22 @@ def test_a_dense_warmup_ignores_warmup_start_and_loads_checkpoints_that_kept_it(
     hook_state.load_state_dict({**saved, "compressor": old})
 
 
+def test_a_refused_step_of_the_update_exchange_reports_its_scheduled_density():
+    model = model_of()
+    topk = sparsecomm.TopK(0.01, warmup_steps=10)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), topk, exchange="updates", min_compress_numel=0
+    )
+    step_on(model, opt, 0)
+    model(torch.full((2, 40), float("nan"))).sum().backward()
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    opt.zero_grad()
+    assert opt.last_stats.skipped_steps == 1
+    assert opt.last_stats.scheduled_density == pytest.approx(topk.density_at(1))
+    assert opt.total_stats.scheduled_density == pytest.approx(topk.density_at(1))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
