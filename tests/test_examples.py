@@ -232,16 +232,20 @@ def test_shard_batch_is_disjoint_and_depends_only_on_seed_and_step():
         common.shard_batch(10, 0, 8, 0, 0, 2)
 
 
+def _saved_at_step_2(common, directory: Path, config: dict) -> None:
+    """A checkpoint directory whose latest step (2) holds only its settings."""
+    folder = directory / "step-00000002"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"step": 2, "config": config}))
+    (directory / common.LATEST).write_text(folder.name)
+
+
 def test_resume_refuses_other_settings(tmp_path):
     """The settings check runs before anything is loaded, so no process group is needed."""
     common = _common()
     parser = common.make_parser("test")
     saved = parser.parse_args(["--compressor", "topk", "--checkpoint", str(tmp_path)])
-    folder = tmp_path / "step-00000002"
-    folder.mkdir()
-    meta = {"step": 2, "config": common._config_for_resume(saved, 2)}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    (tmp_path / common.LATEST).write_text(folder.name)
+    _saved_at_step_2(common, tmp_path, common._config_for_resume(saved, 2))
     now = parser.parse_args(["--compressor", "bf16", "--checkpoint", str(tmp_path), "--resume"])
     with pytest.raises(
         ValueError, match=r"--resume: checkpoint .*'compressor': \('topk', 'bf16'\)"
@@ -261,11 +265,8 @@ def test_resume_of_a_dense_run_ignores_the_unused_threshold(tmp_path):
     common = _common()
     parser = common.make_parser("test")
     saved = parser.parse_args(["--compressor", "dense", "--checkpoint", str(tmp_path)])
-    folder = tmp_path / "step-00000002"
-    folder.mkdir()
     config = {**common._config_for_resume(saved, 2), "threshold": 0.001}  # as older code saved
-    (folder / "meta.json").write_text(json.dumps({"step": 2, "config": config}))
-    (tmp_path / common.LATEST).write_text(folder.name)
+    _saved_at_step_2(common, tmp_path, config)
     now = parser.parse_args(
         ["--compressor", "dense", "--checkpoint", str(tmp_path), "--resume", "--threshold", "0.5"]
     )
