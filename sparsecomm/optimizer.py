@@ -1109,9 +1109,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if ours["format"] != _STATE_FORMAT:
             raise refuse(f"unknown state format {ours['format']!r}")
         shapes = [list(p.shape) for p in self._params]
+        if ours["shapes"] != shapes:
+            raise refuse(_first_difference(ours["shapes"], shapes))
         if not keep_residuals:
-            if ours["shapes"] != shapes:
-                raise refuse(_first_difference(ours["shapes"], shapes))
             return ours
         if ours["world_size"] != self.world_size:
             raise refuse(
@@ -1145,8 +1145,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"min_compress_numel={self.min_compress_numel}; to continue without the "
                 "residuals: opt.load_state_dict(state_dict, keep_residuals=False)"
             )
-        if ours["shapes"] != shapes:
-            raise refuse(_first_difference(ours["shapes"], shapes))
         residuals = ours["residuals"]
         if not isinstance(residuals, (list, tuple)) or len(residuals) != len(self._params):
             count = len(residuals) if isinstance(residuals, (list, tuple)) else type(residuals)

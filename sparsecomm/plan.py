@@ -582,10 +582,11 @@ def plan(
 
     def row(name, compressor, density, nbytes, terms, above=False, first=(0, 0)):
         """``first``: (bytes, latency terms) sent before the choice between sparse and
-        dense (Threshold's count all-gather), so kept above the crossover too."""
+        dense (Threshold's count all-gather), added below and above the crossover."""
         if above:  # every rank switches such a bucket to a dense fp32 all-reduce
-            nbytes = allreduce_bytes(params, world_size, FP32_BYTES) + first[0]
-            terms = 2 * (world_size - 1) * sparse_buckets + first[1]
+            nbytes = allreduce_bytes(params, world_size, FP32_BYTES)
+            terms = 2 * (world_size - 1) * sparse_buckets
+        nbytes, terms = nbytes + first[0], terms + first[1]
         time_s = comm_time(nbytes, bandwidth, latency, terms)
         return name, compressor, density, nbytes, terms, time_s, above
 
@@ -626,17 +627,17 @@ def plan(
                 topk_bytes >= dense_bytes,
             )
         )
+    counts = ((world_size - 1) * COUNT_BYTES * sparse_buckets, gather_terms)
     for density in threshold_densities:
-        k = density * params
-        counts = ((world_size - 1) * COUNT_BYTES * sparse_buckets, gather_terms)
+        pairs_bytes = allgather_bytes(density * params, world_size, pair_bytes)
         raw.append(
             row(
                 f"Threshold {_pct(density)}",
                 f"Threshold(t)  # t giving {_pct(density)}",
                 density,
-                allgather_bytes(k, world_size, pair_bytes) + counts[0],
-                gather_terms + counts[1],
-                allgather_bytes(k, world_size, pair_bytes) >= dense_bytes,
+                pairs_bytes,
+                gather_terms,
+                pairs_bytes >= dense_bytes,
                 first=counts,
             )
         )
