@@ -11,6 +11,8 @@
 #   top-k breakdown           cap  90 s  bench_topk.py (EF loop, per-kernel profile, tile sweep)
 #   CatchUpAdamW step         cap  60 s  bench_catchup.py: its kernel against torch's AdamW
 #   training quality          cap 150 s  quality_gpt.py: GPT loss under AdamW, dense vs recipes
+#   validation quality        cap 420 s  compare.py --task charlm on one GPU, a 19M char-LM:
+#                                        validation bits per byte against step and bytes
 #
 # A part's timeout is its cap or the time left of SESSION_BUDGET_S (default 520 s), whichever
 # is less; a part with less left than it needs is skipped, a failing one is reported and the
@@ -19,6 +21,7 @@
 # session.txt with each part's status and time; the end of stdout repeats the tables.
 # SKIP="bench_kernels bench_topk quality_gpt" leaves out the parts writing those logs.
 # QUALITY_RECIPES="dense,topk-catchup-warmup" picks quality_gpt.py's recipes (default: all);
+# CHARLM_RUNS="dense topk-updates-warmup-0.01" compare.py's runs (default: below);
 # GPT_VARIANTS="DDP,TopK(0.01),TopK(0.01)/adam" the GPT step table's rows (default: its own).
 # TOPK_BASELINE=path/to/topk.py also times that version of the top-k module beside this one.
 # SMOKE=1 runs every part at tiny sizes (on a CPU: a test of this script, not a measurement).
@@ -89,6 +92,8 @@ if [[ $SMOKE == 1 ]]; then
   QUALITY_ARGS=(--layers 1 --d-model 32 --heads 2 --vocab 64 --context 16 --batch 2
                 --steps 4 --warmup 2)
   CATCHUP_ARGS=(--device cpu --scale 0.02 --steps 1)
+  CHARLM_ARGS=(--steps 4 --eval-every 2 --density-warmup 2 --timeout 120
+               --script-args="--width 32 --layers 1 --heads 2 --context 16")
   KERNEL_ENV=(env BENCH_DEVICE=cpu TRITON_INTERPRET=1 BENCH_SIZES=1e4 BENCH_SWEEP=0)
 else
   # GPU_TESTS="tests/test_gpu.py ..." runs those instead (e.g. when no kernel changed).
@@ -102,6 +107,11 @@ else
   OVERHEAD_ARGS=(--sizes 1e7,1e8)
   QUALITY_ARGS=(--steps 100 --warmup 20)
   CATCHUP_ARGS=()
+  # 19M parameters (width 512, 6 layers), a context of 128, 32 windows a step: 1000 steps
+  # see about one pass over the standard library's top-level source.
+  CHARLM_ARGS=(--steps 1000 --eval-every 50 --density-warmup 100 --lr 1e-3 --batch-size 32
+               --timeout 150 --script-args="--width 512 --layers 6 --heads 8 --context 128
+               --text-bytes 5000000 --val-batches 16")
   # PROFILE="--model gpt --variants DDP,TopK(0.01) --cprofile" profiles other rows instead.
   read -r -a PROFILE_ARGS <<< "${PROFILE:---model linear --params 1e9 --variants DDP,TopK(0.01) --warmup 3 --steps 2}"
   KERNEL_ENV=(env)
@@ -161,6 +171,16 @@ run_part "CatchUpAdamW step against AdamW" 60 20 bench_catchup.txt 12 \
 run_part "training quality (GPT, AdamW)" 150 30 quality_gpt.log 12 \
   torchrun --standalone --nproc_per_node=1 benchmarks/quality_gpt.py \
   "${QUALITY_ARGS[@]}" ${QUALITY_RECIPES:+--recipes "$QUALITY_RECIPES"} --out "$OUT/quality_gpt.md"
+
+read -r -a CHARLM_RUNS <<< "${CHARLM_RUNS:-dense topk-ef-0.01 topk-warmup-0.01 topk-updates-warmup-0.01 topk-updates-dense-warmup-0.01 topk-catchup-adam-warmup-0.01 topk-updates-warmup-0.001 topk-updates-dense-warmup-0.001 topk-catchup-adam-warmup-0.001}"
+run_part "validation quality (char-LM, one GPU)" 420 60 quality_charlm.log 16 \
+  python3 examples/compare.py --task charlm --nproc 1 --name charlm-gpu --out "$OUT/charlm" \
+  --density 0.01 0.001 "${CHARLM_ARGS[@]}" --runs "${CHARLM_RUNS[@]}"
+# Its table and plot as they are; the runs' logs in one archive (fewer files to bring back).
+if [[ -d $OUT/charlm ]]; then
+  cp "$OUT"/charlm/charlm-gpu.{md,png} "$OUT"/ 2>/dev/null
+  tar czf "$OUT/charlm.tgz" -C "$OUT" charlm && rm -rf "$OUT/charlm"
+fi
 
 echo
 echo "== summary [$(stamp)]"

@@ -19,15 +19,22 @@ default) with the same seed and flags, and write to the output directory (defaul
 - ``<run>.jsonl`` and ``<run>.log`` (``charlm-<run>.*`` for charlm): each run's metrics and
   output.
 
+``--script-args`` passes flags of the example to every run (a larger model, say), and
+``--name`` names the outputs (``<name>.md``, ``<name>.png``, ``<name>-<run>.*``) so that
+such a comparison does not overwrite the default one. With CUDA, each rank takes a GPU.
+
     python examples/compare.py                                 # digits, ~2 minutes
     python examples/compare.py --steps 100 --runs dense topk-ef topk-no-ef
     python examples/compare.py --task charlm --density 0.01 0.001   # ~5 minutes
+    python examples/compare.py --task charlm --nproc 1 --name charlm-gpu \
+        --script-args="--width 512 --layers 6 --heads 8 --context 128"  # one GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -178,6 +185,13 @@ def step_rms(trains: list[dict]) -> float | None:
     return sum(tail) / len(tail)
 
 
+def _backend() -> str:
+    """Where the runs ran: the examples take NCCL and a GPU per rank when CUDA is there."""
+    import torch
+
+    return "NCCL, GPU" if torch.cuda.is_available() else "gloo, CPU"
+
+
 def _value(task: str, value: float) -> str:
     return f"{100 * value:.2f}%" if task == "digits" else f"{value:.4f}"
 
@@ -186,14 +200,16 @@ def write_table(rows: list[tuple[str, dict, float]], args, path: Path) -> str:
     dense = next((s for name, s, _ in rows if name == "dense"), None)
     if args.task == "digits":
         head = (
-            f"digits CNN, {args.nproc} ranks (gloo, CPU), SGD momentum 0.9, lr {args.lr:g}, "
+            f"digits CNN, {args.nproc} ranks ({_backend()}), SGD momentum 0.9, lr {args.lr:g}, "
             f"{args.steps} steps of {args.batch_size} per rank, seed {args.seed}."
         )
         metric = "test acc"
     else:
+        flags = f" {args.script_args}," if args.script_args else ""
         head = (
-            f"byte-level transformer LM, {args.nproc} ranks (gloo, CPU), AdamW, "
-            f"train_charlm.py defaults otherwise, {args.steps} steps, seed {args.seed}."
+            f"byte-level transformer LM, {args.nproc} ranks ({_backend()}), AdamW, lr "
+            f"{args.lr:g},{flags} train_charlm.py defaults otherwise, {args.steps} steps, "
+            f"seed {args.seed}."
         )
         metric = "val bits per byte"
     lines = [
@@ -280,6 +296,19 @@ def plot(rows: list[tuple[str, dict, float]], path: Path, task: str = "digits") 
     plt.close(figure)
 
 
+def _plot_if_possible(rows: list[tuple[str, dict, float]], path: Path, task: str) -> bool:
+    """:func:`plot`, or a note once if matplotlib is not installed (the table and the
+    logs are written either way)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        if len(rows) == 1:
+            print("  (no plot: matplotlib is not installed; pip install matplotlib)", flush=True)
+        return False
+    plot(rows, path, task)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -303,13 +332,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=1e-2, help="Threshold magnitude")
     parser.add_argument("--runs", nargs="+", metavar="RUN", help="a subset of the runs")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument(
+        "--script-args",
+        default="",
+        help="flags of the example for every run, e.g. --script-args='--width 512 --layers 6' "
+        "(write it with '=': the value starts with a dash)",
+    )
+    parser.add_argument(
+        "--name", help="output names' stem (default: results/compare for digits, charlm)"
+    )
     args = parser.parse_args(argv)
+    script_args = shlex.split(args.script_args)
+    # Set by compare.py: from its own flags, or by each run's recipe.
+    taken = {"--steps", "--batch-size", "--lr", "--seed", "--eval-every", "--log-json"}
+    taken |= {"--compressor", "--density", "--density-warmup", "--density-warmup-shape"}
+    taken |= {"--exchange", "--optimizer", "--select", "--threshold", "--no-error-feedback"}
+    taken |= {"--momentum-correction", "--no-progress", "--log-update-rms"}
+    clash = sorted(taken.intersection(a.split("=")[0] for a in script_args))
+    if clash:
+        parser.error(
+            f"--script-args: compare.py sets {' '.join(clash)} itself (its own flags, or "
+            "each run's recipe)"
+        )
     if args.batch_size is None:
         args.batch_size = 32 if args.task == "digits" else 16
     if args.lr is None:
         args.lr = 0.05 if args.task == "digits" else 3e-3
 
     script, metric, _, _, prefix = TASKS[args.task]
+    if args.name:
+        prefix = f"{args.name}-"
     specs = run_specs(args.task, args.density, args.threshold, args.density_warmup)
     names = args.runs or list(specs)
     unknown = [name for name in names if name not in specs]
@@ -330,7 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         str(args.eval_every),
         "--no-progress",
         "--log-update-rms",
+        *script_args,
     ]
+    if args.name:
+        table_path, out_name = out / f"{args.name}.md", out / f"{args.name}.png"
+    else:
+        table_path = out / ("results.md" if args.task == "digits" else "charlm.md")
+        out_name = out / ("compare.png" if args.task == "digits" else "charlm.png")
     rows = []
     for name in names:
         label, flags = specs[name]
@@ -355,14 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['mb_sent']:.2f} MB sent, {seconds:.0f} s",
             flush=True,
         )
-
-    table_path = out / ("results.md" if args.task == "digits" else "charlm.md")
-    out_name = out / ("compare.png" if args.task == "digits" else "charlm.png")
-    table = write_table(rows, args, table_path)
-    plot(rows, out_name, args.task)
+        table = write_table(rows, args, table_path)  # after each run: a timeout keeps them
+        plotted = _plot_if_possible(rows, out_name, args.task)
     print()
     print(table)
-    print(f"wrote {table_path} and {out_name}")
+    print(f"wrote {table_path}" + (f" and {out_name}" if plotted else ""))
     return 0
 
 

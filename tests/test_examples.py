@@ -351,6 +351,36 @@ def test_compare_charlm_writes_its_own_plot_and_table(tmp_path):
     assert "select='adam'" in config["compressor"] and config["optimizer"] == "catchup-adamw"
 
 
+def test_compare_passes_script_args_and_names_its_outputs(tmp_path):
+    out = tmp_path / "compare"
+    run_compare(
+        out,
+        *("--task", "charlm", "--nproc", "1", "--steps", "2", "--eval-every", "2"),
+        *("--name", "tiny", "--script-args=--width 16 --layers 1 --heads 2 --context 8"),
+        *("--runs", "dense", "topk-ef"),
+    )
+    assert not (out / "charlm.md").exists()  # the default comparison is left alone
+    table = (out / "tiny.md").read_text()
+    assert "1 ranks" in table and "--width 16 --layers 1 --heads 2 --context 8" in table
+    log = (out / "tiny-topk-ef.jsonl").read_text().splitlines()
+    config = next(json.loads(line) for line in log if '"config"' in line)
+    assert (config["width"], config["context"], config["world_size"]) == (16, 8, 1)
+    assert "TopK" in config["compressor"]
+
+
+@pytest.mark.parametrize("flag", ["--lr 1", "--optimizer=sgd", "--density 0.5"])
+def test_compare_refuses_script_args_it_sets_itself(tmp_path, flag):
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "compare.py"), "--task", "charlm"]
+        + ["--out", str(tmp_path), f"--script-args={flag}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "sets " + flag.split()[0].split("=")[0] in result.stderr
+    assert not list(tmp_path.iterdir())  # refused before any run
+
+
 def test_select_adam_needs_an_adam_optimizer_and_gradients():
     common = _common()
     parser = common.make_parser("test")
