@@ -198,14 +198,14 @@ def _value(task: str, value: float) -> str:
 
 def write_table(rows: list[tuple[str, dict, float]], args, path: Path) -> str:
     dense = next((s for name, s, _ in rows if name == "dense"), None)
+    flags = f" {args.script_args}," if args.script_args else ""
     if args.task == "digits":
         head = (
-            f"digits CNN, {args.nproc} ranks ({_backend()}), SGD momentum 0.9, lr {args.lr:g}, "
-            f"{args.steps} steps of {args.batch_size} per rank, seed {args.seed}."
+            f"digits CNN, {args.nproc} ranks ({_backend()}), SGD momentum 0.9, lr {args.lr:g},"
+            f"{flags} {args.steps} steps of {args.batch_size} per rank, seed {args.seed}."
         )
         metric = "test acc"
     else:
-        flags = f" {args.script_args}," if args.script_args else ""
         head = (
             f"byte-level transformer LM, {args.nproc} ranks ({_backend()}), AdamW, lr "
             f"{args.lr:g},{flags} train_charlm.py defaults otherwise, {args.steps} steps, "
@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         "(write it with '=': the value starts with a dash)",
     )
     parser.add_argument(
-        "--name", help="output names' stem (default: results/compare for digits, charlm)"
+        "--name",
+        help="outputs NAME.md, NAME.png, NAME-<run>.* (default: results.md, compare.png and "
+        "<run>.* for digits; charlm.md, charlm.png and charlm-<run>.* for charlm)",
     )
     args = parser.parse_args(argv)
     script_args = shlex.split(args.script_args)
@@ -348,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     taken |= {"--compressor", "--density", "--density-warmup", "--density-warmup-shape"}
     taken |= {"--exchange", "--optimizer", "--select", "--threshold", "--no-error-feedback"}
     taken |= {"--momentum-correction", "--no-progress", "--log-update-rms"}
-    clash = sorted(taken.intersection(a.split("=")[0] for a in script_args))
+    # (argparse takes a flag's unambiguous prefix too: "--dens" is --density)
+    given = [a.split("=")[0] for a in script_args if a.startswith("--")]
+    clash = sorted({flag for flag in taken for key in given if flag.startswith(key)})
     if clash:
         parser.error(
             f"--script-args: compare.py sets {' '.join(clash)} itself (its own flags, or "
