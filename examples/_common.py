@@ -82,10 +82,12 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     )
     add(
         "--exchange",
-        choices=("gradients", "updates"),
+        choices=("gradients", "updates", "local_updates"),
         default="gradients",
         help="gradients: average gradients, then step; updates: each rank steps on its own "
-        "gradient and the updates are compressed and averaged",
+        "gradient and the updates are compressed and averaged; local_updates: the same, "
+        "each rank's model keeping the updates it has not sent (evaluated and saved with "
+        "the shared parameters)",
     )
     add(
         "--select",
@@ -185,11 +187,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
     if args.select == "adam" and args.compressor != "topk":
         parser.error("--select adam picks TopK's coordinates: it needs --compressor topk")
-    if args.momentum_correction and args.exchange == "updates":
-        parser.error("--momentum-correction works on gradients, not with --exchange updates")
+    if args.momentum_correction and args.exchange != "gradients":
+        parser.error(
+            f"--momentum-correction works on gradients, not with --exchange {args.exchange}"
+        )
     if args.momentum_correction and args.optimizer != "sgd":
         parser.error("--momentum-correction is SGD momentum: it needs --optimizer sgd")
-    if args.select == "adam" and (args.optimizer == "sgd" or args.exchange == "updates"):
+    if args.select == "adam" and (args.optimizer == "sgd" or args.exchange != "gradients"):
         parser.error(
             "--select adam reads the optimizer's second moment: it needs --optimizer adamw or "
             "catchup-adamw, and --exchange gradients"
@@ -538,8 +542,13 @@ def train(
             **{k: v for k, v in vars(args).items() if k not in ("compressor",)},
         )
 
+    def evaluate_shared() -> dict[str, float]:
+        # exchange="local_updates": each rank's parameters differ; the model is the shared ones
+        with optimizer.shared_parameters():
+            return evaluate()
+
     if start == 0 and rank == 0:  # the curve's starting point: the untrained model
-        log.write(event="eval", step=0, mb_sent=0.0, dense_mb=0.0, **evaluate())
+        log.write(event="eval", step=0, mb_sent=0.0, dense_mb=0.0, **evaluate_shared())
 
     bar = progress_bar(
         total=args.steps,
@@ -576,7 +585,7 @@ def train(
             ),
         )
         if rank == 0 and (done % args.eval_every == 0 or done == args.steps):
-            metrics = evaluate()
+            metrics = evaluate_shared()
             log.write(
                 event="eval",
                 step=done,
@@ -596,10 +605,11 @@ def train(
     bar.close()
     seconds = time.perf_counter() - started
     if rank == 0 and not metrics:  # resumed from a checkpoint at the last step: nothing ran
-        metrics = evaluate()
+        metrics = evaluate_shared()
 
     total = optimizer.total_stats
-    checksum = param_checksum(model)
+    with optimizer.shared_parameters():
+        checksum = param_checksum(model)
     checksums = [None] * world_size
     dist.all_gather_object(checksums, checksum)
     # One write per line: ranks share the terminal, and print() writes the newline apart.
@@ -627,7 +637,8 @@ def train(
             **metrics,
         )
         if args.save_final:
-            _atomic_save(model.state_dict(), Path(args.save_final))
+            with optimizer.shared_parameters():
+                _atomic_save(model.state_dict(), Path(args.save_final))
         if not in_sync:
             raise RuntimeError(f"ranks ended with different parameters: {checksums}")
     log.close()

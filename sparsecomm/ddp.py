@@ -10,6 +10,7 @@ in the state object.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -246,12 +247,27 @@ class DDPCommHookState:
                 "the state saved with this model, or none"
             )
 
+    def _settings(self) -> str:
+        return repr((self.compressor.config(), self.error_feedback, self.dense_iterations))
+
     def _agree_on_iteration(self, device: torch.device) -> None:
-        """One all-gather of each rank's iteration count, at this state's first bucket:
-        ranks that loaded states of different iterations would pick different compressors
-        or densities, whose payloads do not match."""
+        """One all-gather of each rank's iteration count and settings, at this state's
+        first bucket: ranks that loaded states of different iterations would pick
+        different compressors or densities, and ranks built with different settings would
+        send different payloads; either would not match."""
         self._iteration_unchecked = False
-        iterations = self.comm.all_gather_int(self.iteration, device)
+        # (the settings as a 63-bit digest: one all-gather of int64s for both)
+        digest = int.from_bytes(hashlib.sha256(self._settings().encode()).digest()[:8], "big")
+        gathered = self.comm.all_gather(
+            torch.tensor([self.iteration, digest >> 1], dtype=torch.int64, device=device)
+        ).view(-1, 2)
+        iterations, digests = gathered[:, 0].tolist(), gathered[:, 1].tolist()
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                "DDPCommHookState: the ranks were built with different settings (compressor, "
+                f"error_feedback or dense_iterations; this rank's: {self._settings()}). "
+                "Build sparsecomm.ddp_comm_hook with the same arguments on every rank"
+            )
         if len(set(iterations)) > 1:
             raise RuntimeError(
                 f"DDPCommHookState: the ranks are at different iterations ({iterations} by "

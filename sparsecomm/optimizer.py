@@ -151,6 +151,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
             more small all-reduce per step (to refuse a non-finite gradient before the
             wrapped optimizer steps; a non-finite *update* from finite gradients is
             refused too, but the wrapped optimizer has then stepped), no ``GradScaler``.
+            ``"local_updates"``: as ``"updates"``, but each rank's model keeps the part of
+            its own updates that error feedback has not sent yet: its parameters are the
+            shared parameters (the average of what was sent, the same on every rank) plus
+            its residual, so each rank takes its gradient where its own updates put it, not
+            where the compression left the shared parameters. The ranks' parameters then
+            differ by their residuals: evaluate and save the model inside
+            :meth:`shared_parameters`. One more copy of the parameters in memory.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -211,6 +218,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             None if momentum_correction is None else float(momentum_correction)
         )
         self.exchange = exchange
+        # exchange="updates" or "local_updates": the wrapped optimizer steps on each rank
+        self._steps_first = exchange != "gradients"
         self._steps_taken = 0  # steps not skipped: the compressor's schedule reads it
         # Compared across ranks before the first exchange (after a resume's load_state_dict:
         # ranks resumed from different steps would send differently). Not after a later
@@ -232,6 +241,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for param in self._params:
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
+        # exchange="local_updates": the shared parameters (this rank's are these plus its
+        # residual); None otherwise.
+        self._shared = self._copy_shared() if exchange == "local_updates" else None
         self.last_stats = StepStats()
         self.total_stats = StepStats()
 
@@ -372,7 +384,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """This rank's part of a dropped step: what the other ranks' exchange waits for."""
         self._before_exchange()  # the other ranks run it before their exchange: so must this one
         self._drop_pending = False
-        if self.exchange == "updates":  # everything happens in step(): its first collective
+        if self._steps_first:  # everything happens in step(): its first collective
             self._refusal = self._agree_gradients_finite(dropped=True)
             self._step_stats = self._refused_stats()
             self._synchronized = self._dropped_here = True
@@ -401,10 +413,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Collective: every rank must call it. Without a scaler it raises
         :class:`NonFiniteGradientError` as ``step()`` does (the step is then dropped on
         every rank)."""
-        if self.exchange == "updates":
+        if self._steps_first:
             raise RuntimeError(
-                "synchronize() exchanges gradients; with exchange='updates' the exchange "
-                "happens inside step(), after the wrapped optimizer has stepped"
+                f"synchronize() exchanges gradients; with exchange={self.exchange!r} the "
+                "exchange happens inside step(), after the wrapped optimizer has stepped"
             )
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None  # GradScaler(enabled=False): no scaling, so nothing to skip
@@ -482,7 +494,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._scaler_seen, self._overlapping = True, False
             self._scaler_skips(grad_scaler)
             return loss
-        if self.exchange == "updates":
+        if self._steps_first:
             self._step_updates(grad_scaler)
             return loss
         if grad_scaler is not None:
@@ -523,14 +535,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._overlapping = False
 
     def _step_updates(self, grad_scaler) -> None:
-        """``exchange="updates"``: agree that every gradient is finite, step the wrapped
-        optimizer on this rank's gradient, exchange the update it made (compressed, with
-        error feedback) and apply the average."""
+        """``exchange="updates"`` and ``"local_updates"``: agree that every gradient is
+        finite, step the wrapped optimizer on this rank's gradient, exchange the update it
+        made (compressed, with error feedback) and apply the average."""
         if grad_scaler is not None:
             raise RuntimeError(
-                "exchange='updates' does not work under torch.amp.GradScaler (the wrapped "
-                "optimizer steps before the ranks' scalers could agree); use the default "
-                "exchange='gradients'"
+                f"exchange={self.exchange!r} does not work under torch.amp.GradScaler (the "
+                "wrapped optimizer steps before the ranks' scalers could agree); use the "
+                "default exchange='gradients'"
             )
         self._before_exchange()
         params = [p for p in self._params if p.grad is not None]
@@ -551,9 +563,63 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._finish_step(skipped=True)
             raise refusal
         self._finish_step(skipped=False)
-        for param in self._params:
+        if self._shared is None:
+            for param in self._params:
+                if param.grad is not None:
+                    param.sub_(param.grad)
+            return
+        for param, shared in zip(self._params, self._shared):
             if param.grad is not None:
-                param.sub_(param.grad)
+                shared.sub_(param.grad.to(shared.dtype))
+        self._write_local()
+
+    def _copy_shared(self) -> list[torch.Tensor]:
+        """``exchange="local_updates"``: the shared parameters, from the parameters and
+        the residuals (the parameters less the update that has not been sent)."""
+        shared = [p.detach().clone() for p in self._params]
+        for position, residual in self._residual_views():
+            shared[position].add_(residual.to(shared[position].dtype))
+        return shared
+
+    def _write_local(self) -> None:
+        """``exchange="local_updates"``: this rank's parameters are the shared ones plus
+        the update it has not sent yet (its residual holds ``-update``, a gradient's sign)."""
+        residuals = dict(self._residual_views())
+        for position, (param, shared) in enumerate(zip(self._params, self._shared)):
+            residual = residuals.get(position)
+            if residual is None:
+                param.copy_(shared)
+            else:
+                torch.sub(shared, residual.to(shared.dtype), out=param.data)
+
+    def _residual_views(self) -> list[tuple[int, torch.Tensor]]:
+        """(position, residual view) of every parameter whose bucket keeps a residual."""
+        views = []
+        for bucket in self._engine.buckets:
+            if bucket.residual is not None:
+                views.extend(zip(bucket.positions, bucket.views_of(bucket.residual)))
+        return views
+
+    @contextlib.contextmanager
+    def shared_parameters(self):
+        """``exchange="local_updates"``: inside, the parameters are the shared ones (the
+        same bits on every rank); on leaving, each rank's own again. Evaluate the model and
+        save it inside: ``with opt.shared_parameters(): evaluate(model);
+        torch.save(model.state_dict(), path)``. With another exchange the parameters are
+        shared already, and this does nothing."""
+        if self._shared is None:
+            yield
+            return
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self._params]
+            for param, shared in zip(self._params, self._shared):
+                param.copy_(shared)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, mine in zip(self._params, local):
+                    param.copy_(mine)
 
     def _agree_gradients_finite(self, dropped: bool) -> RuntimeError | None:
         """``exchange="updates"``: one all-reduce of a flag per rank (2: it dropped the
@@ -588,6 +654,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._check_frozen()  # a parameter unfrozen since has no hook: wrap again instead
         start = len(self._params)
         new_params, error = _group_params(param_group, self._params)
+        if error is None and (self._synchronized or self._engine.in_progress()):
+            # The new parameters' gradients of this step were not exchanged: the wrapped
+            # optimizer would step them on each rank's own, and the ranks would drift apart.
+            error = RuntimeError(
+                "add_param_group() between backward() and step(): this step's gradients "
+                "are exchanged already, without the new group's. Call it after step() (or "
+                "zero_grad()), before the next backward"
+            )
         if error is None:
             error = _check_params(new_params, start)
         if error is None and self.momentum_correction is not None:
@@ -605,6 +679,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._engine = self._build_engine()
         self._load_residuals(residuals)
         self._load_velocities(velocities)
+        if self._shared is not None:  # the new parameters are shared as they are
+            self._shared += [p.detach().clone() for p in self._params[start:]]
         self._register_hooks(self._params[start:])
 
     def state_dict(self) -> dict[str, Any]:
@@ -628,6 +704,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "momentum_correction": self.momentum_correction,
                 "velocities": self._velocities_by_position(),
                 "exchange": self.exchange,
+                # exchange="local_updates": the parameters every rank shares
+                "shared": None if self._shared is None else [x.clone() for x in self._shared],
             },
         }
 
@@ -657,6 +735,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._steps_taken = int(ours.get("steps_taken", 0))
         self._engine.step = self._steps_taken
         self._load_velocities((ours.get("velocities") or []) if keep_residuals else [])
+        if self._shared is not None:  # this rank's parameters: the shared ones + its residual
+            with torch.no_grad():
+                for mine, saved in zip(self._shared, ours["shared"]):
+                    mine.copy_(saved)
+                self._write_local()
 
     def __repr__(self) -> str:
         return (
@@ -1004,6 +1087,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise refuse(
                 f"saved with exchange={saved!r}, this optimizer has exchange={self.exchange!r}"
             )
+        if self._shared is not None:
+            shared = ours.get("shared")
+            if not isinstance(shared, (list, tuple)) or len(shared) != len(self._params):
+                raise refuse(
+                    f"'shared' must be a list of {len(self._params)} tensors (the shared "
+                    "parameters of exchange='local_updates')"
+                )
+            for position, (saved, param) in enumerate(zip(shared, self._params)):
+                if not torch.is_tensor(saved) or saved.dtype != param.dtype:
+                    raise refuse(f"shared parameter {position} must be a {param.dtype} tensor")
+                if not bool(torch.isfinite(saved).all()):
+                    raise refuse(f"shared parameter {position} holds NaN or Inf")
         saved = ours.get("momentum_correction")
         if saved != self.momentum_correction:
             # (the wrapped optimizer's groups, loaded next, carry its own momentum)
@@ -1048,7 +1143,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         everyone = self._comm.all_gather_object(mine)
         for rank, theirs in enumerate(everyone):
             if theirs is not None:
-                kind = {"TypeError": TypeError}.get(theirs[0], ValueError)
+                kind = {"TypeError": TypeError, "RuntimeError": RuntimeError}.get(
+                    theirs[0], ValueError
+                )
                 raise kind(f"on rank {rank}: {theirs[1]}")
 
     def _agree_on_model(self, params: list[torch.Tensor], start: int) -> None:
@@ -1274,14 +1371,15 @@ def _scheduled_density(compressor: Compressor, step: int) -> float:
 
 
 def _check_exchange(exchange, momentum_correction) -> Exception | None:
-    if exchange not in ("gradients", "updates"):
+    if exchange not in ("gradients", "updates", "local_updates"):
         return ValueError(
-            f"exchange must be 'gradients' (average the gradients, then step) or 'updates' "
-            f"(step on each rank, average the updates), got {exchange!r}"
+            "exchange must be 'gradients' (average the gradients, then step), 'updates' "
+            "(step on each rank, average the updates) or 'local_updates' (the same, each "
+            f"rank's model keeping its unsent updates), got {exchange!r}"
         )
-    if exchange == "updates" and momentum_correction is not None:
+    if exchange != "gradients" and momentum_correction is not None:
         return ValueError(
-            "momentum_correction works on gradients; with exchange='updates' the wrapped "
+            f"momentum_correction works on gradients; with exchange={exchange!r} the wrapped "
             "optimizer's own momentum runs on each rank before compression already"
         )
     return None
@@ -1314,10 +1412,10 @@ def _check_selection(optimizer, compressor, exchange) -> Exception | None:
             "have eps <= 0 (0 / 0 where nothing was stepped on yet): give them eps > 0 (AdamW's "
             "default is 1e-8), or use TopK(select='magnitude')"
         )
-    if exchange == "updates":
+    if exchange != "gradients":
         return ValueError(
             f"{compressor!r} scales gradients by Adam's second moment; with "
-            "exchange='updates' what is compressed is Adam's update, scaled already: use "
+            f"exchange={exchange!r} what is compressed is Adam's update, scaled already: use "
             "TopK(select='magnitude') there"
         )
     return None

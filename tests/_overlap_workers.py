@@ -348,6 +348,22 @@ def ddp_hook_loaded_at_different_iterations(rank, world_size):
     return None
 
 
+def ddp_hook_built_differently(rank, world_size, which):
+    """The ranks build their hooks with different settings (``which``: "dtype", Cast
+    fp16 on rank 0 and bf16 on rank 1; "dense_iterations", 0 against 2); returns the
+    error of the first backward."""
+    if which == "dtype":
+        dtype = torch.float16 if rank == 0 else torch.bfloat16
+        state, hook = sparsecomm.ddp_comm_hook(sparsecomm.Cast(dtype))
+    else:
+        state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1), dense_iterations=2 * rank)
+    try:
+        _ddp_train(rank, make_model(), (state, hook), 1)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def ddp_hook_resume(rank, world_size, directory, phase, save_at, steps, cap):
     """Train to ``save_at``, save model, optimizer and hook state; new processes load them
     and train on. Returns the parameters and the residual pieces per parameter."""

@@ -235,6 +235,52 @@ def add_group_float64(rank, world_size, group):
     }
 
 
+def add_group_mid_step(rank, world_size, group):
+    """add_param_group() between an exchanged backward and step() is refused on every
+    rank; after step() the same call works, and the ranks stay in sync."""
+    model = make_model()
+    head = torch.nn.Linear(OUT, OUT)
+    torch.manual_seed(7)
+    with torch.no_grad():  # the same head on every rank
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        sparsecomm.TopK(0.1),
+        process_group=group,
+        bucket_cap_mb=0.01,
+    )
+
+    def backward(step):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(head(model(x)), y).backward()
+
+    for step in range(2):  # from the second step on, backward exchanges
+        backward(step)
+        opt.step()
+        opt.zero_grad()
+        head.zero_grad()
+    backward(2)
+    refused = attempt(
+        lambda: opt.add_param_group({"params": list(head.parameters())}),
+        errors=(RuntimeError,),
+    )
+    groups = len(opt.param_groups)
+    opt.step()
+    opt.zero_grad()
+    head.zero_grad()
+    opt.add_param_group({"params": list(head.parameters())})
+    for step in range(3, 5):
+        backward(step)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "refused": refused,
+        "groups": (groups, len(opt.param_groups)),
+        "params": flat(list(model.parameters()) + list(head.parameters())),
+    }
+
+
 # Per compressor: the gradient the bad rank of the overflow scenarios gives its first
 # elements in step 1, and how many. Step 1 leaves (some of) them in the residual; in step
 # 2 they get 3e38 again, and gradient + residual exceeds float32's 3.4e38: inf.
@@ -563,6 +609,7 @@ SCENARIOS = {
     "float64_everywhere": float64_everywhere,
     "meta_everywhere": meta_everywhere,
     "add_group_float64": add_group_float64,
+    "add_group_mid_step": add_group_mid_step,
     "overflow": overflow,
     "overflow_grad_scaler": overflow_grad_scaler,
     "nan_residual": nan_residual,

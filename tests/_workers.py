@@ -31,7 +31,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if name == "dgc":  # the momentum lives in the wrapper (see wrap)
         return torch.optim.SGD(params, lr=0.05)
-    if name in ("adamw", "adamw-updates"):  # the second with exchange="updates" (see wrap)
+    if name in ("adamw", "adamw-updates", "adamw-local"):  # exchange: see wrap
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     if name == "catchup":
         return sparsecomm.CatchUpAdamW(params, lr=1e-3, weight_decay=0.01)
@@ -64,7 +64,9 @@ def wrap(model, compressor, optimizer="sgd", **kwargs):
         compressor=compressor,
         bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # ~2600 elements: several buckets
         momentum_correction=0.9 if optimizer == "dgc" else None,
-        exchange="updates" if optimizer == "adamw-updates" else "gradients",
+        exchange={"adamw-updates": "updates", "adamw-local": "local_updates"}.get(
+            optimizer, "gradients"
+        ),
         **kwargs,
     )
 
@@ -168,8 +170,25 @@ def resume(rank, world_size, phase, directory, configs, save_at, steps):
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
             with open(path, "wb") as f:
                 f.write(buffer.getvalue())
-        out.append(flat_params(model))
+        with opt.shared_parameters():  # (exchange="local_updates": each rank's differ)
+            out.append(flat_params(model))
     return out
+
+
+def local_updates(rank, world_size, steps):
+    """exchange="local_updates" on two ranks: per step, this rank's parameters, the shared
+    ones (inside shared_parameters()) and its residuals."""
+    model = make_model(seed=rank)
+    opt = wrap(model, sparsecomm.TopK(0.05), "adamw-local")
+    records = []
+    for step in range(steps):
+        train_step(model, opt, rank, step)
+        local = flat_params(model)
+        with opt.shared_parameters():
+            shared = flat_params(model)
+        residual = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
+        records.append((local, shared, residual, flat_params(model)))
+    return records
 
 
 def resumed_at_different_steps(rank, world_size):

@@ -157,8 +157,13 @@ def test_update_rms_is_the_step_in_learning_rates():
             "16",
             "--momentum-correction",
         ],
+        # Each rank's parameters differ (its unsent updates); the shared ones are compared.
+        [
+            *("--compressor", "topk", "--density", "0.01", "--optimizer", "adamw"),
+            *("--lr", "3e-3", "--exchange", "local_updates"),
+        ],
     ],
-    ids=["topk-sgd", "threshold-adamw", "topk-warmup-dgc"],
+    ids=["topk-sgd", "threshold-adamw", "topk-warmup-dgc", "topk-local-updates"],
 )
 def test_killed_and_resumed_run_matches_uninterrupted_bitwise(tmp_path, flags):
     steps = ["--steps", "24", "--eval-every", "8"]

@@ -253,6 +253,12 @@ def test_ddp_hook_states_of_different_iterations_raise_on_every_rank():
         assert message is not None and "different iterations ([2, 1] by rank)" in message
 
 
+@pytest.mark.parametrize("which", ["dtype", "dense_iterations"])
+def test_ddp_hooks_built_with_different_settings_raise_on_every_rank(which):
+    for message in run_ranks(w.ddp_hook_built_differently, 2, which, timeout=90):
+        assert message is not None and "different settings" in message, message
+
+
 def test_ddp_hook_carries_residuals_through_a_layout_change(tmp_path):
     """Small DDP buckets: DDP rebuilds them after each process's first iteration, and a
     resumed process starts from its first layout again. Every parameter keeps a residual

@@ -387,7 +387,185 @@ def test_updates_arguments_are_checked():
         plain.load_state_dict(state)
 
 
+# ------------------------------------------------------------------ exchange="local_updates"
+
+
+def local(model, compressor=None, lr=1e-2, **kwargs):
+    return sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=lr),
+        compressor or sparsecomm.TopK(0.02),
+        exchange="local_updates",
+        **kwargs,
+    )
+
+
+def shared_of(model, opt):
+    with opt.shared_parameters():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def test_local_updates_on_one_rank_follow_the_wrapped_optimizer():
+    """With one rank the shared parameters plus the unsent update are where AdamW alone
+    would be (to rounding), while exchange="updates" lags behind by what it has not sent."""
+    plain_model, local_model, updates_model = model_of(), model_of(), model_of()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = local(local_model)
+    updates = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(updates_model.parameters(), lr=1e-2),
+        sparsecomm.TopK(0.02),
+        exchange="updates",
+    )
+    for step in range(10):
+        step_on(plain_model, plain, step)
+        step_on(local_model, opt, step)
+        step_on(updates_model, updates, step)
+    for p, q, u in zip(
+        plain_model.parameters(), local_model.parameters(), updates_model.parameters()
+    ):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+        assert float((u - p).detach().abs().max()) > 1e-3  # the update exchange lags behind
+
+
+def test_local_updates_parameters_are_the_shared_ones_less_the_residual():
+    model = model_of()
+    opt = local(model)
+    shared = shared_of(model, opt)
+    for step in range(6):
+        step_on(model, opt, step)
+        # (step_on zeroes the grads: the average sent is the shared parameters' move)
+        now = shared_of(model, opt)
+        for param, x, before in zip(model.parameters(), now, shared):
+            assert torch.equal(param.detach(), x - opt.residual(param))
+            assert not torch.equal(x, before) or param.numel() < 1024
+        assert any(not torch.equal(p, x) for p, x in zip(model.parameters(), now))
+        shared = now
+
+
+def test_shared_parameters_swaps_in_and_back_bit_for_bit():
+    model = model_of()
+    opt = local(model)
+    for step in range(4):
+        step_on(model, opt, step)
+    mine = [p.detach().clone() for p in model.parameters()]
+    with opt.shared_parameters():
+        inside = [p.detach().clone() for p in model.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(inside, mine))
+    for p, before in zip(model.parameters(), mine):
+        assert torch.equal(p, before)
+    with pytest.raises(KeyError):  # restored even when the body raises
+        with opt.shared_parameters():
+            raise KeyError("evaluation failed")
+    for p, before in zip(model.parameters(), mine):
+        assert torch.equal(p, before)
+    plain_model = model_of()
+    plain = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(plain_model.parameters()), sparsecomm.TopK(0.02)
+    )
+    with plain.shared_parameters():  # shared already: nothing to swap
+        assert all(
+            torch.equal(p, q) for p, q in zip(plain_model.parameters(), model_of().parameters())
+        )
+
+
+def test_local_updates_refused_step_changes_nothing():
+    model = model_of()
+    opt = local(model)
+    for step in range(2):
+        step_on(model, opt, step)
+    params = [p.detach().clone() for p in model.parameters()]
+    shared = shared_of(model, opt)
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    opt.zero_grad()
+    for p, before, x, again in zip(model.parameters(), params, shared, shared_of(model, opt)):
+        assert torch.equal(p, before) and torch.equal(x, again)
+
+
+def test_local_updates_checkpoint_restores_shared_and_local_parameters():
+    model = model_of()
+    opt = local(model, sparsecomm.TopK(0.02, warmup_steps=3))
+    for step in range(5):
+        step_on(model, opt, step)
+    state = copy.deepcopy(opt.state_dict())
+    assert len(state["sparsecomm"]["shared"]) == len(list(model.parameters()))
+    mine = [p.detach().clone() for p in model.parameters()]
+    shared = shared_of(model, opt)
+
+    fresh = model_of(seed=1)  # other values: load_state_dict sets them
+    again = local(fresh, sparsecomm.TopK(0.02, warmup_steps=3))
+    again.load_state_dict(state)
+    for p, before in zip(fresh.parameters(), mine):
+        assert torch.equal(p, before)
+    step_on(model, opt, 5)
+    step_on(fresh, again, 5)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+
+    restart = model_of(seed=2)
+    empty = local(restart, sparsecomm.TopK(0.05))
+    empty.load_state_dict(state, keep_residuals=False)  # another density: no residuals
+    for p, x in zip(restart.parameters(), shared):
+        assert torch.equal(p, x)
+
+    broken = copy.deepcopy(state)
+    broken["sparsecomm"]["shared"] = broken["sparsecomm"]["shared"][:-1]
+    with pytest.raises(ValueError, match="'shared' must be a list"):
+        local(model_of(), sparsecomm.TopK(0.02, warmup_steps=3)).load_state_dict(broken)
+    updates = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model_of().parameters()),
+        sparsecomm.TopK(0.02, warmup_steps=3),
+        exchange="updates",
+    )
+    with pytest.raises(ValueError, match="exchange='local_updates'"):
+        updates.load_state_dict(state)
+
+
+def test_local_updates_add_param_group_shares_the_new_parameters():
+    model = model_of()
+    opt = local(model)
+    for step in range(3):
+        step_on(model, opt, step)
+    shared = shared_of(model, opt)
+    extra = torch.nn.Linear(40, 30)
+    opt.add_param_group({"params": list(extra.parameters())})
+    with opt.shared_parameters():
+        for p, x in zip(model.parameters(), shared):
+            assert torch.equal(p, x)
+        values = [p.detach().clone() for p in extra.parameters()]
+    for p, v in zip(extra.parameters(), values):
+        assert torch.equal(p, v)  # not stepped yet: shared and local alike
+
+
+def test_local_updates_arguments_are_checked():
+    model = model_of()
+    with pytest.raises(ValueError, match="momentum_correction works on gradients"):
+        dgc(model, sparsecomm.TopK(0.05), exchange="local_updates")
+    with pytest.raises(ValueError, match="exchange='local_updates' what is compressed"):
+        local(model, sparsecomm.TopK(0.05, select="adam"))
+    opt = local(model)
+    with pytest.raises(RuntimeError, match="inside step"):
+        opt.synchronize()
+    scaler = torch.amp.GradScaler("cpu")
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step(grad_scaler=scaler)
+
+
 # ------------------------------------------------------------------ two ranks
+
+
+def test_local_updates_on_two_ranks_share_parameters_and_keep_their_own():
+    records = run_ranks(_workers.local_updates, 2, 8)
+    for step, (a, b) in enumerate(zip(*records)):
+        local_a, shared_a, residual_a, after_a = a
+        local_b, shared_b, residual_b, after_b = b
+        assert torch.equal(shared_a, shared_b), f"step {step}: shared parameters differ"
+        assert not torch.equal(local_a, local_b), f"step {step}: nothing kept locally?"
+        for local_, shared, residual, after in (a, b):
+            assert torch.equal(local_, shared - residual)
+            assert torch.equal(after, local_)  # shared_parameters() swapped back
 
 
 def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
@@ -396,6 +574,7 @@ def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
         (sparsecomm.TopK(0.05, warmup_steps=15, warmup="dense"), "adamw"),
         (sparsecomm.Dense(), "dgc"),
         (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
+        (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-local"),
         (sparsecomm.TopK(0.05), "catchup"),
         (sparsecomm.TopK(0.05, warmup_steps=15, select="adam"), "catchup"),
         (sparsecomm.TopK(0.05, select="adam"), "adamw"),

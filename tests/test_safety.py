@@ -134,6 +134,15 @@ def test_refused_add_param_group_changes_nothing_and_ranks_stay_in_sync(request,
     assert_same_on_every_rank([r["params"] for r in results], "parameters after the next step")
 
 
+def test_add_param_group_between_backward_and_step_is_refused_everywhere(request, world_size):
+    results = scenario(request, "add_group_mid_step", world_size)
+    for rank, result in enumerate(results):
+        kind, message = result["refused"]
+        assert kind == "RuntimeError" and "between backward() and step()" in message, result
+        assert result["groups"] == (1, 2), f"rank {rank}: param_groups went {result['groups']}"
+    assert_same_on_every_rank([r["params"] for r in results], "parameters after the new group")
+
+
 # ------------------------------------------------------------------ 12.3 non-finite g + r
 
 
