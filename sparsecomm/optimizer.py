@@ -457,11 +457,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._send_drop()
         if self._synchronized:
             self._finish_step(skipped=True)
-        elif self._engine.in_progress():
+        elif self._engine.in_progress() or self._callback_queued:
             raise RuntimeError(
-                "zero_grad() after a backward that raised part-way: some of this step's "
-                "buckets were sent and the other ranks wait for the rest. Call "
-                "opt.drop_step() on every rank whose backward raised, before zero_grad()"
+                "zero_grad() after a backward that raised part-way: the other ranks wait "
+                "for this rank's part of the step's exchange (some of its buckets may be "
+                "sent already). Call opt.drop_step() on every rank whose backward raised, "
+                "before zero_grad()"
             )
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
@@ -752,11 +753,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """Backward hook: ``param.grad`` is complete for this backward pass."""
-        if not (self._overlapping and self._sync_enabled) or self._dropped_here:
+        if not self._sync_enabled or self._dropped_here:
             return  # (after drop_step(): the rest of the step's micro-batches count for nothing)
         owner = getattr(param, "_sparsecomm_owner", None)
         if owner is None or owner() is not self:
             return  # a newer CompressedOptimizer wraps this parameter now
+        if not self._overlapping:  # the exchange runs in step(): only mark the backward open
+            if not self._callback_queued:  # (so that zero_grad() after it raised refuses)
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(self._end_of_quiet_backward)
+                self._callback_queued = True
+            return
         if self._synchronized:
             raise RuntimeError(
                 "backward ran again after this step's gradients were exchanged and before "
@@ -772,6 +779,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self._engine.fill_from_hook(param)
         else:  # (entering no_grad costs more than the rest of a hook)
             self._engine.fill_from_hook(param)
+
+    def _end_of_quiet_backward(self) -> None:
+        self._callback_queued = False
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
