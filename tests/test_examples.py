@@ -364,9 +364,19 @@ def test_compare_passes_script_args_and_names_its_outputs(tmp_path):
         *("--name", "tiny", "--script-args=--width 16 --layers 1 --heads 2 --context 8"),
         *("--runs", "dense", "topk-ef"),
     )
+    run_compare(  # without a dense run: no gap to report, bytes still against dense fp32's
+        out,
+        *("--task", "charlm", "--nproc", "1", "--steps", "2", "--eval-every", "2"),
+        *("--name", "alone", "--script-args=--width 16 --layers 1 --heads 2 --context 8"),
+        *("--runs", "topk-ef"),
+    )
+    alone = next(line for line in (out / "alone.md").read_text().splitlines() if "TopK" in line)
+    assert "| n/a |" in alone and "(1/1.0)" not in alone
     assert not (out / "charlm.md").exists()  # the default comparison is left alone
     table = (out / "tiny.md").read_text()
     assert "1 ranks" in table and "--width 16 --layers 1 --heads 2 --context 8" in table
+    topk_row = next(line for line in table.splitlines() if line.startswith("| TopK"))
+    assert "(1/1.0)" not in topk_row  # its bytes against dense fp32's, not its own
     log = (out / "tiny-topk-ef.jsonl").read_text().splitlines()
     config = next(json.loads(line) for line in log if '"config"' in line)
     assert (config["width"], config["context"], config["world_size"]) == (16, 8, 1)
