@@ -126,10 +126,14 @@ class Communicator:
         return out.view(self.world_size, *tensor.shape), work
 
     def all_gather_int(self, value: int, device: torch.device) -> list[int]:
-        """Every rank's ``value``, in rank order: one all-gather of an int64 on ``device``
-        and a host sync (every rank must call)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=device)
-        return self.all_gather(mine).view(-1).tolist()
+        """Every rank's ``value``, in rank order (every rank must call)."""
+        return [row[0] for row in self.all_gather_ints([value], device)]
+
+    def all_gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's ``values`` (as many on every rank), in rank order: one all-gather of
+        int64s on ``device`` and a host sync (every rank must call)."""
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        return self.all_gather(mine).view(-1, len(values)).tolist()
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, in rank order (every rank must call)."""

@@ -258,10 +258,8 @@ class DDPCommHookState:
         self._iteration_unchecked = False
         # (the settings as a 63-bit digest: one all-gather of int64s for both)
         digest = int.from_bytes(hashlib.sha256(self._settings().encode()).digest()[:8], "big")
-        gathered = self.comm.all_gather(
-            torch.tensor([self.iteration, digest >> 1], dtype=torch.int64, device=device)
-        ).view(-1, 2)
-        iterations, digests = gathered[:, 0].tolist(), gathered[:, 1].tolist()
+        gathered = self.comm.all_gather_ints([self.iteration, digest >> 1], device)
+        iterations, digests = [row[0] for row in gathered], [row[1] for row in gathered]
         if len(set(digests)) > 1:
             raise RuntimeError(
                 "DDPCommHookState: the ranks were built with different settings (compressor, "

@@ -241,9 +241,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for param in self._params:
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
-        # exchange="local_updates": the shared parameters (this rank's are these plus its
-        # residual); None otherwise.
-        self._shared = self._copy_shared() if exchange == "local_updates" else None
+        # exchange="local_updates": the shared parameters (this rank's are these less its
+        # residual, empty yet); None otherwise.
+        self._shared = (
+            [p.detach().clone() for p in self._params] if exchange == "local_updates" else None
+        )
         self.last_stats = StepStats()
         self.total_stats = StepStats()
 
@@ -574,14 +576,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 shared.sub_(param.grad.to(shared.dtype))
         self._write_local()
 
-    def _copy_shared(self) -> list[torch.Tensor]:
-        """``exchange="local_updates"``: the shared parameters, from the parameters and
-        the residuals (the parameters less the update that has not been sent)."""
-        shared = [p.detach().clone() for p in self._params]
-        for position, residual in self._residual_views():
-            shared[position].add_(residual.to(shared[position].dtype))
-        return shared
-
     def _write_local(self) -> None:
         """``exchange="local_updates"``: this rank's parameters are the shared ones plus
         the update it has not sent yet (its residual holds ``-update``, a gradient's sign)."""
@@ -598,7 +592,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         views = []
         for bucket in self._engine.buckets:
             if bucket.residual is not None:
-                views.extend(zip(bucket.positions, bucket.views_of(bucket.residual)))
+                views.extend(zip(bucket.positions, bucket.residual_views))
         return views
 
     @contextlib.contextmanager
