@@ -459,6 +459,10 @@ class BucketEngine:
         #: None: on CUDA only (:meth:`gather`). Buckets that :attr:`~Bucket.accumulates`
         #: add each gradient as it arrives whatever this says.
         self.defer_copies: bool | None = None
+        #: Drop a bucket's gradient buffer at ``zero_grad(set_to_none=True)`` (True) or keep
+        #: it for the next step (False); None: drop it on CUDA only
+        #: (:meth:`release_gradients`).
+        self.release_buffers: bool | None = None
         #: Run a CUDA bucket's copies, compression and collective launch on a side stream,
         #: so that they overlap the rest of backward (False: on the current stream). Off by
         #: default: on one H200 the stream switches, waits and ``record_stream`` calls cost
@@ -827,8 +831,18 @@ class BucketEngine:
         for bucket in self.buckets:
             if bucket.exchange is not None or bucket.pending != len(bucket.params):
                 continue
-            if bucket.adopts or bucket.residual is not None:
+            if bucket.adopts or (bucket.residual is not None and self._releases(bucket)):
                 bucket.release()
+
+    def _releases(self, bucket: Bucket) -> bool:
+        """Whether :meth:`release_gradients` drops the bucket's own buffer. CUDA's caching
+        allocator hands a dropped buffer back at the next step for free; a CPU allocation
+        of this size is new memory from the kernel, and writing it faults in every page
+        (the 14.4M-parameter transformer of benchmarks/bench_network.py, one thread:
+        ~30 ms a step, more than its top-k; benchmarks/RESULTS.md)."""
+        if self.release_buffers is not None:
+            return self.release_buffers
+        return bucket.device.type == "cuda"
 
     def graph_signature(self, bucket: Bucket, compressor: Compressor, index: int):
         """The signature under which the ``index``-th bucket is compressed from CUDA graphs

@@ -441,9 +441,10 @@ def test_ddp_hook_rejects_bad_arguments():
 # ------------------------------------------------------------------ memory between steps
 
 
-def _train_zeroing(compressor, zero, steps=5):
+def _train_zeroing(compressor, zero, steps=5, release=True, **kwargs):
     model = w.make_model()
-    opt = w.wrap(model, compressor)
+    opt = w.wrap(model, compressor, **kwargs)
+    opt._engine.release_buffers = release  # True: CUDA's default, here on a CPU
     for step in range(steps):
         x, y = w.batch(0, step)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -483,6 +484,30 @@ def test_zero_grad_releases_the_gradient_buffers_and_keeps_the_bits(compressor):
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert all(a() is None for a in averages), "a released buffer is still alive"
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.1), sparsecomm.Cast(torch.bfloat16)])
+def test_cpu_buckets_keep_their_gradient_buffers_across_zero_grad(compressor):
+    """On a CPU a dropped buffer would come back as fresh pages from the kernel, each
+    faulted in by its first write: the buckets keep theirs (those adopting autograd's
+    gradient excepted), with the bits of the releasing path."""
+    one_bucket = {"bucket_cap_mb": 1}  # the two weights in one bucket, which cannot adopt
+    released, _ = _train_zeroing(compressor, lambda m, o: o.zero_grad(), **one_bucket)
+    model, opt = _train_zeroing(compressor, lambda m, o: o.zero_grad(), release=None, **one_bucket)
+    assert torch.equal(w.flat(released), w.flat(model)), _diff(w.flat(released), w.flat(model))
+    held = [b for b in opt._engine.buckets if b.residual is not None and not b.adopts]
+    assert held and all(b.grad_buffer is not None for b in held)
+    # (A step may swap a bucket's gradient and residual buffers: the pair stays.)
+    def buffers():
+        return [{b.grad_buffer.data_ptr(), b.residual.data_ptr()} for b in held]
+
+    before = buffers()
+    x, y = w.batch(0, 99)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    assert buffers() == before
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.fixture
