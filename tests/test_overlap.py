@@ -497,6 +497,7 @@ def test_cpu_buckets_keep_their_gradient_buffers_across_zero_grad(compressor):
     assert torch.equal(w.flat(released), w.flat(model)), _diff(w.flat(released), w.flat(model))
     held = [b for b in opt._engine.buckets if b.residual is not None and not b.adopts]
     assert held and all(b.grad_buffer is not None for b in held)
+
     # (A step may swap a bucket's gradient and residual buffers: the pair stays.)
     def buffers():
         return [{b.grad_buffer.data_ptr(), b.residual.data_ptr()} for b in held]
