@@ -407,3 +407,35 @@ def test_cuda_drop_step_after_a_failed_backward_keeps_the_bits(compressor, cuda_
     assert 0 < failed[2] < buckets, (failed[2], buckets)  # sent some buckets, not all
     assert torch.equal(clean[0].view(torch.int32), failed[0].view(torch.int32))
     assert torch.equal(clean[1].view(torch.int32), failed[1].view(torch.int32))
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.02), sparsecomm.Cast(torch.bfloat16)])
+def test_cuda_local_updates_keep_parameters_at_shared_less_residual(compressor, cuda_graphs):
+    """exchange="local_updates" on CUDA, its buckets compressed eagerly or from CUDA graphs
+    (whose buffers swap roles): each step, every parameter is its shared value less its
+    residual, bit for bit, and the run gives the bits of the same run on the CPU."""
+    ends = {}
+    for device in ("cpu", "cuda"):
+        model = _workers.make_model(seed=0).to(device)
+        opt = sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            compressor,
+            exchange="local_updates",
+            min_compress_numel=0,
+            **({"cuda_graphs": cuda_graphs} if device == "cuda" else {}),
+        )
+        for step in range(6):
+            x, y = (t.to(device) for t in _workers.batch(0, step))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            with opt.shared_parameters():
+                shared = [p.detach().clone() for p in model.parameters()]
+            for param, value in zip(model.parameters(), shared):
+                assert torch.equal(param.detach(), value - opt.residual(param))
+        if device == "cuda" and cuda_graphs and isinstance(compressor, sparsecomm.TopK):
+            assert opt._engine.graphs.replays > 0 and not opt._engine.graphs.failed
+        ends[device] = _workers.flat_params(model).cpu()
+    # The model's matmuls differ between CPU and GPU; the exchange does not add to that.
+    torch.testing.assert_close(ends["cuda"], ends["cpu"], rtol=1e-3, atol=1e-3)
