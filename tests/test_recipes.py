@@ -346,7 +346,8 @@ def test_updates_conserve_the_local_update():
         opt.zero_grad()
 
 
-def test_updates_refuse_a_nonfinite_gradient_before_the_wrapped_optimizer_steps():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_updates_refuse_a_nonfinite_gradient_before_the_wrapped_optimizer_steps(bad):
     model = model_of()
     opt = sparsecomm.CompressedOptimizer(
         torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="updates"
@@ -356,7 +357,7 @@ def test_updates_refuse_a_nonfinite_gradient_before_the_wrapped_optimizer_steps(
     params = [p.detach().clone() for p in model.parameters()]
     moments = opt.optimizer.state[model[0].weight]["exp_avg"].clone()
     model(torch.randn(8, 40)).pow(2).mean().backward()
-    model[0].weight.grad[3, 4] = float("nan")
+    model[0].weight.grad[3, 4] = bad
     with pytest.raises(sparsecomm.NonFiniteGradientError):
         opt.step()
     assert opt.steps_taken == 2 and opt.total_stats.skipped_steps == 1
@@ -364,6 +365,20 @@ def test_updates_refuse_a_nonfinite_gradient_before_the_wrapped_optimizer_steps(
     assert float(opt.optimizer.state[model[0].weight]["step"]) == 2
     for p, before in zip(model.parameters(), params):
         assert torch.equal(p, before)
+
+
+def test_updates_step_with_an_empty_parameter():
+    """A parameter of no elements has a gradient of no elements, which the finiteness check
+    skips (it has no least or greatest element)."""
+    model = model_of()
+    empty = torch.nn.Parameter(torch.zeros(0, 3))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW([*model.parameters(), empty]), sparsecomm.TopK(0.05), exchange="updates"
+    )
+    for step in range(2):
+        empty.grad = torch.zeros(0, 3)
+        step_on(model, opt, step)
+    assert opt.steps_taken == 2
 
 
 def test_updates_arguments_are_checked():
