@@ -246,9 +246,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._shared = (
             [p.detach().clone() for p in self._params] if exchange == "local_updates" else None
         )
-        # exchange="updates" and "local_updates": where each parameter's value before the
+        # exchange="updates" and "local_updates": where each CPU parameter's value before the
         # wrapped optimizer's step is copied, kept between steps (on a CPU, memory allocated
-        # anew each step comes as fresh pages, faulted in at the first write).
+        # anew each step comes as fresh pages, faulted in at the first write; on CUDA the
+        # caching allocator lends the memory to the next forward pass instead).
         self._step_copies: dict[torch.Tensor, torch.Tensor] = {}
         self.last_stats = StepStats()
         self.total_stats = StepStats()
@@ -581,9 +582,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._write_local()
 
     def _copies_before_step(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``params`` as they are now, in buffers kept from step to step."""
+        """Copies of ``params`` as they are now, in buffers kept from step to step on a CPU,
+        in new ones elsewhere."""
         copies = []
         for param in params:
+            if param.device.type != "cpu":
+                copies.append(torch.empty_like(param.detach()))
+                continue
             copy = self._step_copies.get(param)
             if copy is None or copy.shape != param.shape or copy.dtype != param.dtype:
                 copy = self._step_copies[param] = torch.empty_like(param.detach())

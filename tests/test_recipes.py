@@ -381,6 +381,20 @@ def test_updates_step_with_an_empty_parameter():
     assert opt.steps_taken == 2
 
 
+def test_updates_copy_the_parameters_into_kept_buffers_on_a_cpu():
+    """The values before the wrapped optimizer's step go into the same buffers every step
+    (fresh CPU memory each step would fault in its pages at the first write)."""
+    model = model_of()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="local_updates"
+    )
+    step_on(model, opt, 0)
+    kept = {id(p): c.data_ptr() for p, c in opt._step_copies.items()}
+    assert len(kept) == len(list(model.parameters()))
+    step_on(model, opt, 1)
+    assert {id(p): c.data_ptr() for p, c in opt._step_copies.items()} == kept
+
+
 def test_updates_arguments_are_checked():
     model = model_of()
     with pytest.raises(ValueError, match="'gradients'"):
