@@ -182,6 +182,16 @@ class Bucket:
         self.exchange = None
 
 
+def reallocation_is_free(device: torch.device) -> bool:
+    """Whether memory freed on ``device`` comes back at the next step's allocation for free,
+    so that a buffer needed only during a step is better dropped between steps. CUDA's
+    caching allocator hands it back; a large CPU allocation is new memory from the kernel,
+    and its first write faults in every page (the 14.4M-parameter transformer of
+    benchmarks/bench_network.py, one thread: ~30 ms a step, more than its top-k;
+    benchmarks/RESULTS.md)."""
+    return device.type == "cuda"
+
+
 def build_buckets(
     params: list[torch.Tensor],
     cap_numel: int,
@@ -835,14 +845,11 @@ class BucketEngine:
                 bucket.release()
 
     def _releases(self, bucket: Bucket) -> bool:
-        """Whether :meth:`release_gradients` drops the bucket's own buffer. CUDA's caching
-        allocator hands a dropped buffer back at the next step for free; a CPU allocation
-        of this size is new memory from the kernel, and writing it faults in every page
-        (the 14.4M-parameter transformer of benchmarks/bench_network.py, one thread:
-        ~30 ms a step, more than its top-k; benchmarks/RESULTS.md)."""
+        """Whether :meth:`release_gradients` drops the bucket's own buffer: by default
+        where :func:`reallocation_is_free`."""
         if self.release_buffers is not None:
             return self.release_buffers
-        return bucket.device.type == "cuda"
+        return reallocation_is_free(bucket.device)
 
     def graph_signature(self, bucket: Bucket, compressor: Compressor, index: int):
         """The signature under which the ``index``-th bucket is compressed from CUDA graphs

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._comm import Communicator
-from ._engine import BucketEngine, build_buckets, cap_numel
+from ._engine import BucketEngine, build_buckets, cap_numel, reallocation_is_free
 from ._stats import StepStats
 from .catchup import CatchUpAdamW
 from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
@@ -246,10 +246,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._shared = (
             [p.detach().clone() for p in self._params] if exchange == "local_updates" else None
         )
-        # exchange="updates" and "local_updates": where each CPU parameter's value before the
-        # wrapped optimizer's step is copied, kept between steps (on a CPU, memory allocated
-        # anew each step comes as fresh pages, faulted in at the first write; on CUDA the
-        # caching allocator lends the memory to the next forward pass instead).
+        # exchange="updates" and "local_updates": where each parameter's value before the
+        # wrapped optimizer's step is copied, kept between steps where reallocating is not
+        # free (a CPU); elsewhere the memory serves the next forward pass in between.
         self._step_copies: dict[torch.Tensor, torch.Tensor] = {}
         self.last_stats = StepStats()
         self.total_stats = StepStats()
@@ -582,11 +581,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._write_local()
 
     def _copies_before_step(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``params`` as they are now, in buffers kept from step to step on a CPU,
-        in new ones elsewhere."""
+        """Copies of ``params`` as they are now, in buffers kept from step to step where
+        :func:`reallocation_is_free` does not hold (a CPU), in new ones elsewhere."""
         copies = []
         for param in params:
-            if param.device.type != "cpu":
+            if reallocation_is_free(param.device):
                 copies.append(torch.empty_like(param.detach()))
                 continue
             copy = self._step_copies.get(param)
