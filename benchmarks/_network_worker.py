@@ -22,6 +22,7 @@ that finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -253,7 +254,7 @@ def row_kind(name: str) -> str:
 
 
 def make_compressor(name: str, ctx: Context):
-    inner = name.removeprefix("ddp+sc-")
+    inner = name.removeprefix("ddp+sc-").partition("/")[0]
     if inner == "Dense()":
         return sparsecomm.Dense()
     if inner == "Cast(bf16)":
@@ -295,6 +296,7 @@ class Trainer:
                 bucket_cap_mb=a.bucket_cap_mb,
                 min_compress_numel=a.min_compress_numel,
                 profile=profile,
+                exchange=name.partition("/")[2] or "gradients",
             )
             self.bytes_note = "measured: opt.last_stats.bytes_sent"
         else:
@@ -360,6 +362,11 @@ class Trainer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def shared_parameters(self):
+        if row_kind(self.name) == "sc":
+            return self.optimizer.shared_parameters()
+        return contextlib.nullcontext()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -526,7 +533,8 @@ def run_to_target(name: str, ctx: Context) -> dict:
             step += 1
             if step >= a.target_max_steps:
                 break
-        val = ctx.from_rank0(ctx.val_loss(model) if ctx.rank == 0 else 0.0)
+        with trainer.shared_parameters():  # local_updates: each rank's own model otherwise
+            val = ctx.from_rank0(ctx.val_loss(model) if ctx.rank == 0 else 0.0)
         seconds = ctx.from_rank0(seconds)
         if val <= a.target_loss:
             reached = True
@@ -666,7 +674,7 @@ def main(argv=None) -> None:
             f"({link['per_rank_bytes_per_s'] * 8 / 1e9:.3g} per rank)"
         )
     save()
-    if any(r.endswith("Threshold(t)") for r in rows):
+    if any("Threshold(t)" in r for r in rows):
         calibrated = args.threshold is None
         if calibrated:
             ctx.threshold, how = calibrate_threshold(ctx)

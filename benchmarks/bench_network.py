@@ -30,6 +30,10 @@ Then each row (``--rows``), the same model from the same seed on the same data:
   so that error-feedback thresholding of the initial model's gradients on the first
   warm-up + timed steps' data sends ``--threshold-density`` (1%) of the elements
   (``--threshold`` sets it instead);
+- ``TopK(0.01)/local_updates``, ``TopK(0.01)/updates`` (any sparsecomm row, then ``/``):
+  the same with ``exchange="local_updates"`` or ``"updates"`` (each rank's AdamW step is what
+  is compressed and sent: the AdamW recipes of docs/adamw.md; the planner check leaves these
+  rows out);
 - ``ddp+sc-TopK(0.01)``: DDP with ``sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.01))``, where
   that function exists.
 
@@ -109,13 +113,20 @@ _ROW_FORMS = [
 ]
 
 
+# What a sparsecomm row may add after a "/": CompressedOptimizer's exchange= other than the
+# default gradient exchange (the AdamW recipes of docs/adamw.md exchange updates).
+EXCHANGES = ("updates", "local_updates")
+
+
 def parse_rows(text: str) -> list[str]:
     """Canonical row names from a comma-separated list (``dense`` or ``Dense()``,
-    ``bf16`` or ``Cast(torch.bfloat16)``, ``TopK(0.01)``, ...), in the order given."""
+    ``bf16`` or ``Cast(torch.bfloat16)``, ``TopK(0.01)``, ``TopK(0.01)/local_updates``, ...),
+    in the order given."""
     rows = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
+        item, _, exchange = item.partition("/")
         for pattern, canonical in _ROW_FORMS:
             match = pattern.match(item.replace(" ", ""))
             if match:
@@ -130,6 +141,15 @@ def parse_rows(text: str) -> list[str]:
         for prefix in ("TopK(", "ddp+sc-TopK("):
             if name.startswith(prefix) and not 0 < float(name[len(prefix) : -1]) <= 1:
                 raise ValueError(f"row {item!r}: the density must be in (0, 1], e.g. TopK(0.01)")
+        if exchange:
+            exchange = exchange.strip().lower().replace("-", "_")
+            if name == "none" or name.startswith("ddp") or exchange not in EXCHANGES:
+                raise ValueError(
+                    f"row {item}/{exchange}: after a '/' a sparsecomm row (Dense(), Cast, "
+                    f"Threshold, TopK) takes its exchange, one of {', '.join(EXCHANGES)}; "
+                    "e.g. TopK(0.01)/local_updates"
+                )
+            name = f"{name}/{exchange}"
         if name not in rows:
             rows.append(name)
     if not rows:
@@ -831,6 +851,8 @@ _PLAN_NAMES = {
 def _plan_name(row: str, density: float | None) -> str | None:
     from sparsecomm.plan import _pct
 
+    if "/" in row:  # the planner models the gradient exchange only
+        return None
     if row in _PLAN_NAMES:
         return _PLAN_NAMES[row]
     if row.startswith("TopK("):

@@ -78,9 +78,23 @@ def test_parse_rows_accepts_the_issue_spellings_in_order():
         "ddp+sc-TopK(0.01)",
     ]
     assert bench.parse_rows(bench.DEFAULT_ROWS)[-1] == "ddp+sc-TopK(0.01)"
+    assert bench.parse_rows("topk(1e-2)/local-updates, Dense()/updates, TopK(0.01)") == [
+        "TopK(0.01)/local_updates",
+        "Dense()/updates",
+        "TopK(0.01)",
+    ]
 
 
-@pytest.mark.parametrize("text, words", [("fast", ["fast", "TopK(D)"]), ("TopK(2)", ["(0, 1]"])])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("fast", ["fast", "TopK(D)"]),
+        ("TopK(2)", ["(0, 1]"]),
+        ("TopK(0.01)/sideways", ["sideways", "local_updates", "TopK(0.01)/local_updates"]),
+        ("ddp+fp16/updates", ["ddp+fp16/updates", "sparsecomm row"]),
+        ("none/local_updates", ["none/local_updates", "sparsecomm row"]),
+    ],
+)
 def test_parse_rows_refuses_with_the_fix(text, words):
     with pytest.raises(ValueError) as info:
         bench.parse_rows(text)
@@ -191,6 +205,8 @@ def _fake_results() -> dict:
         row("ddp", 3.0, 4e7, 1.0),
         row("Dense()", 3.2, 4e7, 1.0, profile(0.0)),
         row("TopK(0.01)", 0.95, 8e5, 0.01, profile(0.3)),
+        # Faster than every row the planner models: the planner check must leave it out.
+        row("TopK(0.01)/local_updates", 0.7, 8e5, 0.01, profile(0.3)),
     ]
     return {
         "date": "2026-12-03",
@@ -226,7 +242,7 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
     out = tmp_path / "out"
     result = run_bench(
         f"--rates={SMOKE_RATE}",
-        "--rows=none,ddp,TopK(0.01)",
+        "--rows=none,ddp,TopK(0.01),TopK(0.01)/local_updates",
         *TINY,
         "--steps=2",
         "--rounds=2",
@@ -250,12 +266,13 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
     )
     assert link["per_rank_bytes_per_s"] == pytest.approx(achieved / 2)
     rows = {row["row"]: row for row in data["rows"]}
-    assert list(rows) == ["none", "ddp", "TopK(0.01)"]
+    assert list(rows) == ["none", "ddp", "TopK(0.01)", "TopK(0.01)/local_updates"]
     for row in rows.values():
         assert 0 < row["step_s"]["p20"] <= row["step_s"]["median"] <= row["step_s"]["p80"]
     assert rows["none"]["bytes_per_step"] == 0
     assert rows["ddp"]["bytes_per_step"] == 4 * data["params"]
-    assert 0 < rows["TopK(0.01)"]["bytes_per_step"] < rows["ddp"]["bytes_per_step"] / 10
+    for name in ("TopK(0.01)", "TopK(0.01)/local_updates"):
+        assert 0 < rows[name]["bytes_per_step"] < rows["ddp"]["bytes_per_step"] / 10, name
     assert 0 <= rows["TopK(0.01)"]["profile"]["communicate_share"] <= 1
     assert "Sent" in rate["qdisc_stats"] and "tbf" in rate["qdisc_stats"]
     table = (out / "table.md").read_text()
