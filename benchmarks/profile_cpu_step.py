@@ -10,7 +10,7 @@ The model is benchmarks/bench_network.py's (examples/train_charlm.py's CharTrans
 process. Modes:
 
 - default: each row (``--rows``: ``none`` for the plain AdamW step, or a compressor such as
-  ``TopK(0.01)``) is built once, and the rows take turns for ``--rounds`` rounds of
+  ``TopK(0.01)``, maybe with an exchange: ``TopK(0.01)/local_updates``) is built once, and the rows take turns for ``--rounds`` rounds of
   ``--steps`` timed steps; prints each row's median step time;
 - ``--cprofile ROW``: cProfile of ``--steps`` steps of that row, by own time (numpy work of
   the CPU paths shows up here, where the torch profiler counts it in autograd's frames);
@@ -42,13 +42,19 @@ import sparsecomm  # noqa: E402
 from sparsecomm import _comm  # noqa: E402
 
 
-def make_row(row: str, adamw: str):
+def make_row(row: str, adamw: str, bucket_cap_mb: float | None = None):
     torch.manual_seed(0)
     model = CharTransformer(384, 8, 6, 64)
     fused = True if adamw == "fused" else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    if row != "none":
-        optimizer = sparsecomm.CompressedOptimizer(optimizer, eval(row, vars(sparsecomm)))
+    if row != "none":  # a compressor, then maybe "/" and an exchange: TopK(0.01)/updates
+        compressor, _, exchange = row.partition("/")
+        optimizer = sparsecomm.CompressedOptimizer(
+            optimizer,
+            eval(compressor, vars(sparsecomm)),
+            exchange=exchange or "gradients",
+            bucket_cap_mb=bucket_cap_mb,
+        )
     return model, optimizer
 
 
@@ -66,7 +72,7 @@ def train_step(model, optimizer, generator) -> float:
 
 def rows_in_turns(args) -> None:
     rows = args.rows.split(";")
-    built = {row: make_row(row, args.adamw) for row in rows}
+    built = {row: make_row(row, args.adamw, args.bucket_cap_mb) for row in rows}
     generator = torch.Generator().manual_seed(0)
     times = {row: [] for row in rows}
     for round_ in range(args.rounds):
@@ -84,7 +90,7 @@ def rows_in_turns(args) -> None:
 
 
 def profile_row(args) -> None:
-    model, optimizer = make_row(args.cprofile, args.adamw)
+    model, optimizer = make_row(args.cprofile, args.adamw, args.bucket_cap_mb)
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         train_step(model, optimizer, generator)
@@ -135,7 +141,7 @@ def timeline(args) -> None:
         return round((time.perf_counter() - origin[0]) * 1e3)
 
     _comm.Communicator.start_all_gather, _comm.Communicator.wait = logged_start, logged_wait
-    model, optimizer = make_row(args.timeline, args.adamw)
+    model, optimizer = make_row(args.timeline, args.adamw, args.bucket_cap_mb)
     generator = torch.Generator().manual_seed(rank)
     for step in range(3 + args.steps):
         dist.barrier()
@@ -161,6 +167,9 @@ def main() -> None:
     parser.add_argument("--rows", default="none;Dense();TopK(0.01)", help="';'-separated")
     parser.add_argument("--adamw", choices=("default", "fused"), default="default")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="default: the compressor's own"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cprofile", default=None, metavar="ROW")
     parser.add_argument("--sqrt", action="store_true")
