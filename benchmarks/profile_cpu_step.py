@@ -10,7 +10,8 @@ The model is benchmarks/bench_network.py's (examples/train_charlm.py's CharTrans
 process. Modes:
 
 - default: each row (``--rows``: ``none`` for the plain AdamW step, or a compressor such as
-  ``TopK(0.01)``, maybe with an exchange: ``TopK(0.01)/local_updates``) is built once, and the rows take turns for ``--rounds`` rounds of
+  ``TopK(0.01)``, maybe with an exchange: ``TopK(0.01)/local_updates``) is built once, and
+  the rows take turns for ``--rounds`` rounds of
   ``--steps`` timed steps; prints each row's median step time;
 - ``--cprofile ROW``: cProfile of ``--steps`` steps of that row, by own time (numpy work of
   the CPU paths shows up here, where the torch profiler counts it in autograd's frames);

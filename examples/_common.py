@@ -101,10 +101,19 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
         "--optimizer",
-        choices=("sgd", "adamw", "catchup-adamw"),
+        choices=("sgd", "adamw", "catchup-adamw", "shared-moment-adamw"),
         default="sgd",
-        help="wrapped optimizer: SGD with momentum 0.9, AdamW, or sparsecomm.CatchUpAdamW "
-        "(AdamW that credits a coordinate the steps it waited to be sent)",
+        help="wrapped optimizer: SGD with momentum 0.9, AdamW, sparsecomm.CatchUpAdamW "
+        "(AdamW that credits a coordinate the steps it waited to be sent), or "
+        "sparsecomm.SharedMomentAdamW (with --exchange updates or local_updates: AdamW whose "
+        "second moment is the ranks' averaged gradient's, shared)",
+    )
+    add(
+        "--refresh-every",
+        type=int,
+        default=10,
+        help="with --optimizer shared-moment-adamw: steps between refreshes of the shared "
+        "second moment (each all-reduces the gradients in bfloat16)",
     )
     add("--lr", type=float, default=0.05, help="peak learning rate")
     add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
@@ -193,6 +202,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
     if args.momentum_correction and args.optimizer != "sgd":
         parser.error("--momentum-correction is SGD momentum: it needs --optimizer sgd")
+    if args.optimizer == "shared-moment-adamw" and args.exchange == "gradients":
+        parser.error(
+            "--optimizer shared-moment-adamw shares a second moment between ranks that step "
+            "on their own gradients: it needs --exchange local_updates or updates"
+        )
+    if args.refresh_every < 1:
+        parser.error(f"--refresh-every must be >= 1, got {args.refresh_every}")
     if args.select == "adam" and (args.optimizer == "sgd" or args.exchange != "gradients"):
         parser.error(
             "--select adam reads the optimizer's second moment: it needs --optimizer adamw or "
@@ -259,6 +275,13 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
         momentum = 0.0 if args.momentum_correction else 0.9  # then the wrapper applies it
         inner = torch.optim.SGD(
             model.parameters(), lr=args.lr, momentum=momentum, weight_decay=args.weight_decay
+        )
+    elif args.optimizer == "shared-moment-adamw":
+        inner = sparsecomm.SharedMomentAdamW(
+            model.parameters(),
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            refresh_every=args.refresh_every,
         )
     else:
         adamw = torch.optim.AdamW if args.optimizer == "adamw" else sparsecomm.CatchUpAdamW

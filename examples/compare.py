@@ -5,9 +5,9 @@ Cast(bf16), TopK with and without error feedback, TopK with a density warm-up, T
 DGC momentum correction and Threshold. ``--task charlm`` runs ``train_charlm.py`` (AdamW)
 for dense fp32 and the AdamW recipes: TopK into AdamW as it is, with the exponential density
 warm-up, with a dense warm-up, with ``exchange="updates"`` (and ``"local_updates"``, with
-either warm-up), with ``CatchUpAdamW`` in place of AdamW (each alone and with either
-warm-up), and with ``TopK(select="adam")``
-(the choice in Adam's units) under the exponential warm-up, with AdamW and CatchUpAdamW.
+either warm-up, and with ``SharedMomentAdamW`` in place of AdamW), with ``CatchUpAdamW`` in
+place of AdamW (each alone and with either warm-up), and with ``TopK(select="adam")`` (the
+choice in Adam's units) under the exponential warm-up, with AdamW and CatchUpAdamW.
 Each TopK run is repeated for every ``--density``. All runs use torchrun (2 ranks by
 default) with the same seed and flags, and write to the output directory (default
 ``runs/compare/``):
@@ -106,6 +106,11 @@ def run_specs(
                 "topk-local-dense-warmup",
                 f"+ EF, local updates, dense warm-up {warmup} (l+c)",
                 ["--exchange", "local_updates", *dense],
+            ),
+            (
+                "topk-local-shared-warmup",
+                f"+ EF, local updates, SharedMomentAdamW, exp. warm-up {warmup} (l+b+v)",
+                ["--exchange", "local_updates", "--optimizer", "shared-moment-adamw", *exp],
             ),
             ("topk-catchup", "+ EF, CatchUpAdamW (e)", catchup),
             (

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from ._comm import Communicator
-from ._engine import BucketEngine, build_buckets, cap_numel, reallocation_is_free
+from ._engine import BucketEngine, _unflatten, build_buckets, cap_numel, reallocation_is_free
 from ._stats import StepStats
 from .catchup import CatchUpAdamW
 from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
+from .shared_moment import SharedMomentAdamW
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
 
@@ -201,7 +202,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 overlap, unexpected,
             )
             or _check_momentum_correction(optimizer, momentum_correction)
-            or _check_exchange(exchange, momentum_correction)
+            or _check_exchange(exchange, momentum_correction, optimizer)
             or _check_selection(optimizer, compressor, exchange)
         )  # fmt: skip
         self.optimizer = optimizer
@@ -559,12 +560,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._step_stats = self._refused_stats()
             self._finish_step(skipped=True)
             raise refusal
+        shared_bytes = self._share_average_gradient()
         before = self._copies_before_step(params)
         self.optimizer.step()
         for param, old in zip(params, before):
             torch.sub(old, param, out=param.grad)  # the update, as a gradient: old - new
             param.copy_(old)
         self._synchronize(grad_scaler=None)
+        self._step_stats.bytes_sent += shared_bytes
         if self._refusal is not None:  # finite gradients, an update that is not: not applied
             refusal = self._refusal
             self._finish_step(skipped=True)
@@ -579,6 +582,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if param.grad is not None:
                 shared.sub_(param.grad.to(shared.dtype))
         self._write_local()
+
+    def _share_average_gradient(self) -> int:
+        """For a wrapped optimizer that asks for it this step (``SharedMomentAdamW``), the
+        ranks' averaged gradient: every gradient (zeros for one this rank lacks) summed in
+        its ``average_dtype`` by one all-reduce. Returns the bytes this rank sent (none with
+        one rank, where the average is the rank's own gradient and the optimizer AdamW)."""
+        due = getattr(self.optimizer, "average_gradient_due", None)
+        if due is None or not self._comm.distributed or self.world_size == 1 or not due():
+            return 0
+        params = [p for p in self._params if p.requires_grad]
+        device = self._engine.device
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p))
+                .reshape(-1)
+                .to(device=device, dtype=self.optimizer.average_dtype)
+                for p in params
+            ]
+        )
+        self._comm.all_reduce_(flat)
+        average = flat.float().div_(self.world_size)
+        averages = {
+            param: view.to(param.device) for param, view in zip(params, _unflatten(average, params))
+        }
+        self.optimizer.take_average_gradient(averages, self.world_size)
+        return flat.numel() * flat.element_size()
 
     def _copies_before_step(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``params`` as they are now, in buffers kept from step to step where
@@ -1399,12 +1428,19 @@ def _scheduled_density(compressor: Compressor, step: int) -> float:
     return 0.0 if isinstance(current, Threshold) else 1.0
 
 
-def _check_exchange(exchange, momentum_correction) -> Exception | None:
+def _check_exchange(exchange, momentum_correction, optimizer=None) -> Exception | None:
     if exchange not in ("gradients", "updates", "local_updates"):
         return ValueError(
             "exchange must be 'gradients' (average the gradients, then step), 'updates' "
             "(step on each rank, average the updates) or 'local_updates' (the same, each "
             f"rank's model keeping its unsent updates), got {exchange!r}"
+        )
+    if exchange == "gradients" and isinstance(optimizer, SharedMomentAdamW):
+        return ValueError(
+            "SharedMomentAdamW shares the second moment of the ranks' averaged gradient "
+            "between ranks that step on their own gradients: use it with "
+            "exchange='local_updates' (or 'updates'); with exchange='gradients' every rank "
+            "steps on the average already, so wrap torch.optim.AdamW or CatchUpAdamW"
         )
     if exchange != "gradients" and momentum_correction is not None:
         return ValueError(

@@ -35,6 +35,8 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     if name == "catchup":
         return sparsecomm.CatchUpAdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "shared-local":  # exchange="local_updates"; refreshed at steps 1, 4, 7, ...
+        return sparsecomm.SharedMomentAdamW(params, lr=1e-3, weight_decay=0.01, refresh_every=3)
     raise ValueError(name)
 
 
@@ -64,9 +66,11 @@ def wrap(model, compressor, optimizer="sgd", **kwargs):
         compressor=compressor,
         bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # ~2600 elements: several buckets
         momentum_correction=0.9 if optimizer == "dgc" else None,
-        exchange={"adamw-updates": "updates", "adamw-local": "local_updates"}.get(
-            optimizer, "gradients"
-        ),
+        exchange={
+            "adamw-updates": "updates",
+            "adamw-local": "local_updates",
+            "shared-local": "local_updates",
+        }.get(optimizer, "gradients"),
         **kwargs,
     )
 
@@ -189,6 +193,44 @@ def local_updates(rank, world_size, steps):
         residual = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
         records.append((local, shared, residual, flat_params(model)))
     return records
+
+
+def shared_moment(rank, world_size, steps, refresh_every, average_dtype=torch.float32):
+    """Dense() with exchange="updates" around SharedMomentAdamW, from one init on every
+    rank. Returns its parameters, its bytes sent per step, the shared moment (divided by
+    its weight) and ``shared_at`` after each step, and the ranks' averaged gradient of each
+    step, which every rank computes from every rank's batch, as the reference."""
+    model = make_model(seed=0)
+    inner = sparsecomm.SharedMomentAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.01,
+        refresh_every=refresh_every,
+        average_dtype=average_dtype,
+    )
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.Dense(), exchange="updates")
+    sent, moments, refreshed, averages = [], [], [], []
+    for step in range(steps):
+        average = []
+        for param in model.parameters():  # every rank's gradient at these parameters
+            grads = []
+            for other in range(world_size):
+                x, y = batch(other, step)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                grads.append(torch.autograd.grad(loss, param)[0])
+            average.append((sum(grads) / world_size).reshape(-1))
+        averages.append(torch.cat(average))
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sent.append(opt.last_stats.bytes_sent)
+        states = [inner.state[p] for p in model.parameters()]
+        moments.append(
+            torch.cat([(s["shared_exp_avg_sq"] / s["shared_weight"]).reshape(-1) for s in states])
+        )
+        refreshed.append(states[0]["shared_at"])
+    return flat_params(model), sent, moments, refreshed, averages
 
 
 def resumed_at_different_steps(rank, world_size):

@@ -604,6 +604,7 @@ def test_ranks_agree_and_resume_bitwise_with_every_recipe(tmp_path):
         (sparsecomm.Dense(), "dgc"),
         (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-updates"),
         (sparsecomm.TopK(0.05, warmup_steps=15), "adamw-local"),
+        (sparsecomm.TopK(0.05, warmup_steps=15), "shared-local"),
         (sparsecomm.TopK(0.05), "catchup"),
         (sparsecomm.TopK(0.05, warmup_steps=15, select="adam"), "catchup"),
         (sparsecomm.TopK(0.05, select="adam"), "adamw"),

@@ -1,0 +1,264 @@
+"""``SharedMomentAdamW``: AdamW for the update exchanges, with a second moment every rank shares.
+
+Why: with ``exchange="updates"`` or ``"local_updates"`` each rank steps its own AdamW on its
+own gradient ``g_i``, and the ranks average the updates. The first moment is linear, so the
+average of the ranks' momenta is the momentum of the averaged gradient. The second moment is
+not: each rank divides by ``v_i``, the second moment of its own gradient, which holds that
+rank's noise in full, where dense AdamW divides by the second moment of the *average*, in
+which the ranks' noise partly cancels. On a coordinate whose gradient is mostly noise, the
+average of the ranks' steps is then up to ``sqrt(W)`` times smaller than dense AdamW's
+(``docs/adamw.md``, "The shared second moment").
+
+``SharedMomentAdamW`` keeps AdamW's moments per rank and, beside them, ``shared_exp_avg_sq``:
+the second moment of the ranks' averaged gradient, the same bits on every rank. Every
+``refresh_every`` steps the wrapping :class:`~sparsecomm.CompressedOptimizer` hands it that
+average (one dense all-reduce of the gradients, in bfloat16 by default, counted in
+``StepStats.bytes_sent``), and
+the shared moment takes it in as AdamW's would, for the steps since the last refresh::
+
+    d = beta2^(steps since the last refresh)
+    shared <- d * shared + (1 - d) * average^2;   weight <- d * weight + (1 - d)
+    denominator = sqrt(max(shared / weight, v_hat / W)) + eps
+
+``v_hat / W`` (the rank's own bias-corrected second moment over the number of ranks, a lower
+bound of the averaged gradient's in expectation) keeps a coordinate that had no gradient at
+the last refresh (an embedding row first seen since) from dividing by zero. Then, as AdamW::
+
+    p <- p * (1 - lr * weight_decay) - lr * m_hat / denominator
+
+With one rank (the wrapper then never refreshes: the average is the rank's own gradient),
+or used without a wrapper that refreshes it, the denominator is AdamW's own, ``sqrt(v_hat)
++ eps``, and the optimizer is AdamW. The floor binds where the ranks' gradients mostly
+cancel (the average's second moment below a W-th of the rank's own): on coordinates the
+last refresh did not see, and early in training, while the moments rest on few steps; in
+expectation it never does (``E[v_i] / W <= E[average^2]``). Where it does not, the average
+of the ranks' steps is dense AdamW's step on the averaged gradient (to the staleness of
+the last refresh and to rounding).
+
+Use it with ``exchange="local_updates"`` (or ``"updates"``); with the gradient exchange every
+rank already steps on the average, and the wrapper refuses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .catchup import _check_hyper
+
+__all__ = ["SharedMomentAdamW"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "shared_exp_avg_sq", "shared_weight", "shared_at")
+
+
+class SharedMomentAdamW(torch.optim.Optimizer):
+    """AdamW whose second moment comes from the ranks' averaged gradient, shared by every rank
+    (see the module docstring for the update).
+
+    Wrap it with an update exchange::
+
+        inner = sparsecomm.SharedMomentAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        opt = sparsecomm.CompressedOptimizer(
+            inner, sparsecomm.TopK(0.01, warmup_steps=100), exchange="local_updates"
+        )
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim`` optimizer.
+        lr, betas, eps, weight_decay: as for ``torch.optim.AdamW`` (decoupled weight decay).
+        refresh_every: steps between refreshes of the shared second moment (the first step
+            is one). Each refresh all-reduces every gradient in ``average_dtype``, 2 bytes
+            per parameter in bfloat16: ``refresh_every=10`` adds 0.2 bytes per parameter
+            and step.
+        average_dtype: what the gradients are summed in at a refresh: ``torch.bfloat16``
+            (default; the second moment needs no more than its 8 bits of precision),
+            ``torch.float16`` or ``torch.float32`` (4 bytes per parameter).
+
+    State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (this rank's AdamW
+    moments), ``shared_exp_avg_sq`` (the shared second moment, not yet divided by
+    ``shared_weight``), ``shared_weight`` (float) and ``shared_at`` (the step of its last
+    refresh); the moments are float32 whatever the parameter's dtype. Parameters whose
+    ``.grad`` is None are skipped, as AdamW does.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        refresh_every: int = 10,
+        average_dtype: torch.dtype = torch.bfloat16,
+    ):
+        _check_hyper(lr, betas, eps, weight_decay, where="SharedMomentAdamW")
+        if average_dtype not in _DTYPES:
+            raise ValueError(
+                f"SharedMomentAdamW: average_dtype must be torch.bfloat16 (the default), "
+                f"torch.float16 or torch.float32, got {average_dtype!r}"
+            )
+        #: What the ranks' gradients are summed in at a refresh.
+        self.average_dtype = average_dtype
+        whole = isinstance(refresh_every, int) and not isinstance(refresh_every, bool)
+        if not whole or refresh_every < 1:
+            raise ValueError(
+                f"SharedMomentAdamW: refresh_every must be an int >= 1 (steps between refreshes "
+                f"of the shared second moment), got {refresh_every!r}"
+            )
+        self.refresh_every = refresh_every
+        #: Steps taken (``step()`` calls); the shared moment is refreshed when it is a
+        #: multiple of ``refresh_every``.
+        self.steps = 0
+        #: Ranks whose gradients the last refresh averaged (1 before any).
+        self.world_size = 1
+        self._averages: dict[torch.Tensor, torch.Tensor] | None = None
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; refuses the group's hyperparameters
+        as the constructor does, and parameters that are not float32, float16 or bfloat16."""
+        group = {**self.defaults, **param_group}
+        _check_hyper(
+            group["lr"], group["betas"], group["eps"], group["weight_decay"],
+            where="SharedMomentAdamW parameter group",
+        )  # fmt: skip
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # (torch refuses a set: its order varies by run)
+            params = list(params)  # (a generator, read once)
+            param_group = {**param_group, "params": params}
+        for param in params:
+            if isinstance(param, torch.Tensor) and param.dtype not in _DTYPES:
+                raise TypeError(
+                    f"SharedMomentAdamW steps float32, float16 and bfloat16 parameters, got "
+                    f"one of {param.dtype}; convert the model (model.float())"
+                )
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------ the wrapper's protocol
+
+    def average_gradient_due(self) -> bool:
+        """Whether the next :meth:`step` refreshes the shared second moment: the wrapper
+        then hands it the ranks' averaged gradient first (:meth:`take_average_gradient`)."""
+        return self.steps % self.refresh_every == 0
+
+    def take_average_gradient(
+        self, averages: dict[torch.Tensor, torch.Tensor], world_size: int
+    ) -> None:
+        """The ranks' averaged gradient per parameter (float32, shaped like it), from
+        ``world_size`` ranks, for the next :meth:`step` to take into the shared moment."""
+        self._averages = averages
+        self.world_size = int(world_size)
+
+    # ------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        averages, self._averages = self._averages or {}, None
+        self.steps += 1
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and grad.is_sparse:
+                    raise TypeError(
+                        "SharedMomentAdamW: sparse gradients are not supported; build "
+                        "embeddings with sparse=False"
+                    )
+                average = averages.get(param)
+                if grad is None and average is None:
+                    continue
+                state = self._state_of(param)
+                if average is not None:
+                    self._refresh(state, average, group["betas"][1])
+                if grad is not None:
+                    self._step_param(param, grad, state, group)
+        return loss
+
+    def _state_of(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            zeros = dict(device=param.device, dtype=torch.float32)
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros(param.shape, **zeros)
+            state["exp_avg_sq"] = torch.zeros(param.shape, **zeros)
+            state["shared_exp_avg_sq"] = torch.zeros(param.shape, **zeros)
+            state["shared_weight"] = 0.0
+            state["shared_at"] = 0
+        return state
+
+    def _refresh(self, state: dict, average: torch.Tensor, beta2: float) -> None:
+        decay = beta2 ** (self.steps - state["shared_at"])
+        shared = state["shared_exp_avg_sq"]
+        shared.mul_(decay).addcmul_(average, average, value=1.0 - decay)
+        state["shared_weight"] = decay * state["shared_weight"] + (1.0 - decay)
+        state["shared_at"] = self.steps
+
+    def _step_param(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
+        state["step"] += 1
+        step = state["step"]
+        grad = grad.float()
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        correction1 = 1.0 - beta1**step
+        correction2 = 1.0 - beta2**step
+        weight = state["shared_weight"]
+        if weight > 0.0:
+            # max(shared / weight, v_hat / W), with one division: the larger of
+            # shared * (correction2 * W / weight) and v, over correction2 * W.
+            scale = correction2 * self.world_size
+            denom = torch.mul(state["shared_exp_avg_sq"], scale / weight)
+            torch.maximum(denom, exp_avg_sq, out=denom)
+        else:
+            scale = correction2
+            denom = exp_avg_sq.clone()
+        denom.div_(scale).sqrt_().add_(eps)
+        if group["weight_decay"]:
+            param.mul_(1.0 - lr * group["weight_decay"])
+        if param.dtype == torch.float32:
+            param.addcdiv_(exp_avg, denom, value=-lr / correction1)
+        else:  # a 16-bit parameter: the step in float32, rounded once
+            param.copy_(param.float().addcdiv_(exp_avg, denom, value=-lr / correction1))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """As ``torch.optim.Optimizer.state_dict``, with the step count and the world size
+        of the last refresh under ``"shared_moment"``."""
+        state = super().state_dict()
+        state["shared_moment"] = {"steps": self.steps, "world_size": self.world_size}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``; the moments stay float32 (torch
+        casts state tensors to their parameter's dtype). A state that is not a
+        ``SharedMomentAdamW``'s is refused before anything changes."""
+        counts = state_dict.get("shared_moment")
+        missing = ["shared_moment"] if counts is None else []
+        for index, saved in state_dict["state"].items():
+            missing += [f"{key} (parameter {index})" for key in _STATE_KEYS if key not in saved]
+        if missing:
+            raise ValueError(
+                f"SharedMomentAdamW.load_state_dict: no {', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''}: it is not a SharedMomentAdamW state. "
+                "Load the state_dict() of a SharedMomentAdamW, or start this optimizer fresh"
+            )
+        plain = {k: v for k, v in state_dict.items() if k != "shared_moment"}
+        super().load_state_dict(plain)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            param = params[index]
+            for key in ("exp_avg", "exp_avg_sq", "shared_exp_avg_sq"):
+                self.state[param][key] = saved[key].to(
+                    device=param.device, dtype=torch.float32, copy=True
+                )
+        self.steps = int(counts["steps"])
+        self.world_size = int(counts["world_size"])
+        self._averages = None
