@@ -159,6 +159,10 @@ class Compressor:
     #: given: DDP's 25 for the compressors that send every element, larger for the sparse
     #: ones (see ``docs/buckets.md``).
     default_bucket_cap_mb = 25.0
+    #: With ``bucket_cap_mb`` not given, at most about this many buckets (None: no bound):
+    #: a model too large for that many buckets of ``default_bucket_cap_mb`` gets larger
+    #: ones, as each bucket costs the host a fixed time per step (see ``docs/buckets.md``).
+    default_max_buckets: int | None = None
 
     def compress(
         self, grad: torch.Tensor, residual: torch.Tensor | None, world_size: int
@@ -404,6 +408,9 @@ class _Sparse(Compressor):
     # A 100 MiB bucket sends about what a 2 MiB dense one would at 1% density; fewer
     # buckets cost fewer launches and less host time per step (docs/buckets.md).
     default_bucket_cap_mb = 100.0
+    # A 1e9-parameter model in 100 MiB buckets is 60 of them, ~0.5 ms of host time each: the
+    # GPU then waits on the host (docs/buckets.md). Sixteen sparse buckets still overlap.
+    default_max_buckets = 16
 
     def start(self, message, comm, check=True):
         world_size, numel = comm.world_size, message.numel

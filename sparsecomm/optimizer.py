@@ -121,7 +121,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             Default ``None``: the compressor's ``default_bucket_cap_mb``, 25 for ``Dense``
             and ``Cast`` (as DDP), 100 for ``TopK`` and ``Threshold``, whose messages are
             a small fraction of the bucket, so that fewer buckets cost fewer launches and
-            less host time (``docs/buckets.md``).
+            less host time; for ``TopK`` and ``Threshold`` raised as far as it takes to
+            keep to about 16 buckets (a model over 1.6 GiB of float32, ~420M
+            parameters: ``docs/buckets.md``).
         min_compress_numel: parameters with fewer elements travel dense, uncompressed, in
             buckets of their own (default 1024: biases and norms are cheap to send whole,
             and a sparse index costs as much as a value).
@@ -208,9 +210,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
-        if bucket_cap_mb is None:
-            bucket_cap_mb = compressor.default_bucket_cap_mb
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = bucket_cap_mb  # None: set from the model below
         self.min_compress_numel = int(min_compress_numel)
         self.overlap = bool(overlap)
         self.profile = bool(profile)
@@ -238,6 +238,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._raise_agreed(_check_params(params, start=0))
         self._agree_on_model(params, start=0)
         self._params = params
+        if self.bucket_cap_mb is None:
+            self.bucket_cap_mb = default_bucket_cap_mb(compressor, params)
         self._frozen = _frozen_positions(params)
         for param in self._params:
             self._comm.broadcast_from_first_(param.data)
@@ -1560,6 +1562,19 @@ def _good_cap(cap) -> bool:
         and not math.isnan(cap)
         and cap > 0
     )
+
+
+def default_bucket_cap_mb(compressor: Compressor, params: list[torch.Tensor]) -> float:
+    """The bucket size (MiB of float32) when ``bucket_cap_mb`` is not given: the
+    compressor's ``default_bucket_cap_mb``, raised where the parameters that train would
+    fill more than its ``default_max_buckets`` buckets of that size to what fills that
+    many (about: a bucket holds whole parameters)."""
+    cap = compressor.default_bucket_cap_mb
+    most = compressor.default_max_buckets
+    if most is None:
+        return cap
+    mib = DENSE_ELEMENT_BYTES * sum(p.numel() for p in params if p.requires_grad) / 2**20
+    return max(cap, mib / most)
 
 
 def _check_arguments(

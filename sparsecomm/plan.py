@@ -104,6 +104,9 @@ DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 # Cast, as DDP; TopK and Threshold (the compressors' default_bucket_cap_mb).
 DEFAULT_BUCKET_CAP_MB = 25.0
 SPARSE_BUCKET_CAP_MB = 100.0
+# ... raised, for TopK and Threshold, to keep a large model to about this many buckets
+# (the compressors' default_max_buckets).
+SPARSE_MAX_BUCKETS = 16
 MB = 1024 * 1024  # bucket_cap_mb counts MiB, as DistributedDataParallel's does
 
 
@@ -178,18 +181,21 @@ def num_buckets(n: float, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
     return math.ceil(n / _per_bucket(n, bucket_cap_mb))
 
 
-def bucket_caps(bucket_cap_mb=None) -> tuple[float, float]:
+def bucket_caps(bucket_cap_mb=None, params: float = 0) -> tuple[float, float]:
     """The bucket sizes (MiB) of the dense rows (Dense, Cast) and of the sparse rows (TopK,
     Threshold): ``bucket_cap_mb`` for both, a ``(dense, sparse)`` pair as given, or
-    ``CompressedOptimizer``'s defaults when None. (Under ``ddp_comm_hook`` every row runs
-    in DDP's buckets: pass DDP's ``bucket_cap_mb``, 25 by default.)
+    ``CompressedOptimizer``'s defaults for a model of ``params`` elements when None (the
+    sparse rows' raised for a model that would fill more than ``SPARSE_MAX_BUCKETS``).
+    (Under ``ddp_comm_hook`` every row runs in DDP's buckets: pass DDP's
+    ``bucket_cap_mb``, 25 by default.)
 
     Example:
-        >>> bucket_caps(), bucket_caps(50), bucket_caps((25, 200))
-        ((25.0, 100.0), (50, 50), (25, 200))
+        >>> bucket_caps(), bucket_caps(50), bucket_caps((25, 200)), bucket_caps(None, 1e9)
+        ((25.0, 100.0), (50, 50), (25, 200), (25.0, 238.4185791015625))
     """
     if bucket_cap_mb is None:
-        return DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB
+        most = params * FP32_BYTES / MB / SPARSE_MAX_BUCKETS
+        return DEFAULT_BUCKET_CAP_MB, max(SPARSE_BUCKET_CAP_MB, most)
     if isinstance(bucket_cap_mb, (tuple, list)):
         dense, sparse = bucket_cap_mb
         return dense, sparse
@@ -575,7 +581,7 @@ def plan(
         )
     if compress_ns_per_element is not None and not isinstance(compress_ns_per_element, Mapping):
         _check_nonnegative("compress_ns_per_element", compress_ns_per_element)
-    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb)
+    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb, params)
     dense_buckets, sparse_buckets = num_buckets(params, dense_cap), num_buckets(params, sparse_cap)
     ring_terms = 2 * (world_size - 1) * dense_buckets
     gather_terms = (world_size - 1) * sparse_buckets
@@ -775,7 +781,7 @@ def format_plan(
     rows = plan(
         params, world_size, bandwidth, latency, densities, bucket_cap_mb, pair_bytes, **step_model
     )
-    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb)
+    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb, params)
     buckets = num_buckets(params, dense_cap)
     sparse_buckets = num_buckets(params, sparse_cap)
     described = f"{buckets} bucket(s) of <= {dense_cap:g} MiB"
@@ -922,7 +928,7 @@ def measure_compress_costs(
             split[cap] = grads, [torch.zeros_like(g, requires_grad=True) for g in grads]
         return split[cap]
 
-    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb)
+    dense_cap, sparse_cap = bucket_caps(bucket_cap_mb, float(params))
     compressors = [
         ("Dense fp32", Dense()),
         ("Cast fp16", Cast(torch.float16)),

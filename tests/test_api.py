@@ -278,6 +278,37 @@ def test_bucket_size_defaults_to_the_compressors(compressor, cap):
     assert explicit.bucket_cap_mb == 16 and len(explicit._engine.buckets) == 2
 
 
+def test_a_large_model_gets_larger_sparse_buckets_by_default():
+    """TopK and Threshold keep a model to about default_max_buckets buckets (16) where their
+    default size would make more: here scaled down, at most 3 buckets of at least 0.01 MiB.
+    Frozen parameters do not count; a given bucket_cap_mb, and Dense, keep their size."""
+
+    class Few(sparsecomm.TopK):
+        default_bucket_cap_mb = 0.01  # 2621 float32s: one 64 x 64 weight per bucket
+        default_max_buckets = 3
+
+    assert sparsecomm.TopK(0.01).default_max_buckets == 16
+    assert sparsecomm.Threshold(1e-3).default_max_buckets == 16
+    assert sparsecomm.Dense().default_max_buckets is None
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(9)])
+    model[0].requires_grad_(False)
+    training = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt = sparsecomm.CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), Few(0.1))
+    assert opt.bucket_cap_mb == pytest.approx(4 * training / 2**20 / 3)
+    compressed = [b for b in opt._engine.buckets if b.compressed]
+    assert 3 <= len(compressed) <= 4, [b.numel for b in compressed]
+    given = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), Few(0.1), bucket_cap_mb=0.01
+    )
+    assert given.bucket_cap_mb == 0.01
+    assert len([b for b in given._engine.buckets if b.compressed]) == 8
+    small = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(small_model().parameters(), lr=0.1), sparsecomm.TopK(0.1)
+    )
+    assert small.bucket_cap_mb == 100.0
+
+
 def test_a_compressor_with_a_bad_default_bucket_size_is_refused():
     class Odd(sparsecomm.Dense):
         default_bucket_cap_mb = 0

@@ -130,7 +130,9 @@ def test_plan_with_latency_and_one_bucket():
 def test_plan_13b_w64_25gbit_20us_buckets():
     # 25 MiB buckets hold 25 * 2**20 / 4 = 6553600 fp32; 1.3e9 / 6553600 = 198.36 -> 199 buckets.
     assert num_buckets(1.3e9) == 199
-    rows = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6))
+    # The sparse rows in 100 MiB buckets, as given (by default a model this large gets 16
+    # larger ones: below).
+    rows = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6, bucket_cap_mb=(25, 100)))
     # Dense: 2 * 63/64 * 4 * 1.3e9 = 1.02375e10 B -> 3.276 s; 2 * 63 * 199 = 25074 terms * 2e-5 s
     # = 0.50148 s; total 3.77748 s.
     dense = rows["Dense fp32"]
@@ -145,6 +147,11 @@ def test_plan_13b_w64_25gbit_20us_buckets():
     assert topk.bytes_per_rank == pytest.approx(6.552e8, rel=1e-12)
     assert topk.latency_terms == 3150
     assert topk.time_s == pytest.approx(0.272664, rel=1e-12)
+    # By default, 16 sparse buckets: 63 * 16 = 1008 terms * 2e-5 = 0.02016 s; 0.229824 s.
+    default = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6))
+    assert default["TopK 0.1%"].latency_terms == 1008
+    assert default["TopK 0.1%"].time_s == pytest.approx(0.229824, rel=1e-12)
+    assert default["Dense fp32"].time_s == pytest.approx(3.77748, rel=1e-12)
     # In 25 MiB buckets like the dense rows': 63 * 199 = 12537 terms * 2e-5 = 0.25074 s; total
     # 0.460404 s. The dense rows do not change with the sparse rows' cap.
     same = rows_by_name(plan(1.3e9, 64, GBIT_25, latency=20e-6, bucket_cap_mb=25))
@@ -333,11 +340,12 @@ def test_cli_large_model_with_latency():
         "--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit", "--latency", "20us"
     )
     assert result.returncode == 0, result.stderr
-    assert "199 bucket(s) of <= 25 MiB (Dense, Cast), 50 of <= 100 MiB (TopK, Threshold)" in (
+    # 1.3e9 fp32 is 4959 MiB: 16 sparse buckets of 309.944 MiB, not 50 of 100.
+    assert "199 bucket(s) of <= 25 MiB (Dense, Cast), 16 of <= 309.944 MiB (TopK, Threshold)" in (
         result.stdout
     )
-    # 63 * 50 all-gather terms against 2 * 63 * 199 all-reduce terms.
-    assert "the all-gathers pay 3150 latency terms, the all-reduces 25074" in result.stdout
+    # 63 * 16 all-gather terms against 2 * 63 * 199 all-reduce terms.
+    assert "the all-gathers pay 1008 latency terms, the all-reduces 25074" in result.stdout
     assert "1.56% = 1/W" in result.stdout
     one_size = run_cli(
         "--params", "1.3e9", "--world-size", "64", "--bandwidth", "25Gbit",
@@ -538,14 +546,25 @@ def test_bucket_sizes_follow_the_library():
     import torch
 
     import sparsecomm
-    from sparsecomm.plan import DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB, bucket_caps
+    from sparsecomm.plan import (
+        DEFAULT_BUCKET_CAP_MB,
+        SPARSE_BUCKET_CAP_MB,
+        SPARSE_MAX_BUCKETS,
+        bucket_caps,
+    )
 
     assert bucket_caps() == (DEFAULT_BUCKET_CAP_MB, SPARSE_BUCKET_CAP_MB) == (25.0, 100.0)
     assert bucket_caps(50) == (50, 50) and bucket_caps((25, 200)) == (25, 200)
+    # Over 16 sparse buckets of 100 MiB (~420M elements) the sparse ones grow, as the
+    # library's do: a 1e9-element model in 16 buckets of 238 MiB, not 39 of 100.
+    assert bucket_caps(None, 4e8) == (25.0, 100.0)
+    assert bucket_caps(None, 1e9) == (25.0, 1e9 * 4 / 2**20 / 16)
+    assert num_buckets(1e9, bucket_caps(None, 1e9)[1]) == 16
     for dense in (sparsecomm.Dense(), sparsecomm.Cast(torch.bfloat16)):
         assert dense.default_bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
     for sparse in (sparsecomm.TopK(0.01), sparsecomm.Threshold(1e-3)):
         assert sparse.default_bucket_cap_mb == SPARSE_BUCKET_CAP_MB
+        assert sparse.default_max_buckets == SPARSE_MAX_BUCKETS
     # No cap: one bucket, all of it sent when backward ends.
     assert num_buckets(1e9, float("inf")) == 1
     assert last_bucket_share(1e9, float("inf")) == 1.0
