@@ -100,25 +100,11 @@ class CatchUpAdamW(torch.optim.Optimizer):
         as the constructor does, and parameters that are not float32, float16 or bfloat16
         (the moments and the step are float32: a float64 or complex parameter would be
         rounded or lose its imaginary part)."""
-        group = {**self.defaults, **param_group}
-        _check_hyper(
-            group["lr"], group["betas"], group["eps"], group["weight_decay"],
-            where="CatchUpAdamW parameter group",
-        )  # fmt: skip
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif not isinstance(params, set):  # (torch refuses a set: its order varies by run)
-            params = list(params)  # (a generator, read once)
-            param_group = {**param_group, "params": params}
-        for param in params:
-            if isinstance(param, torch.Tensor) and param.dtype not in _DTYPES:
-                raise TypeError(
-                    f"CatchUpAdamW steps float32, float16 and bfloat16 parameters, got one of "
-                    f"{param.dtype}; step it with torch.optim.AdamW, or convert the model "
-                    "(model.float())"
-                )
-        super().add_param_group(param_group)
+        super().add_param_group(
+            checked_adam_group(
+                "CatchUpAdamW", self.defaults, param_group, "step it with torch.optim.AdamW, or "
+            )
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -184,6 +170,32 @@ class CatchUpAdamW(torch.optim.Optimizer):
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def checked_adam_group(name: str, defaults: dict, param_group: dict, fix: str = "") -> dict:
+    """``param_group`` for ``torch.optim.Optimizer.add_param_group`` of the AdamW variant
+    ``name``, its parameters listed (a generator read once), after refusing its
+    hyperparameters as the constructor does and parameters that are not float32, float16
+    or bfloat16 (the moments are float32: a float64 or complex parameter would be rounded
+    or lose its imaginary part). ``fix``: what the TypeError suggests before converting."""
+    group = {**defaults, **param_group}
+    _check_hyper(
+        group["lr"], group["betas"], group["eps"], group["weight_decay"],
+        where=f"{name} parameter group",
+    )  # fmt: skip
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif not isinstance(params, set):  # (torch refuses a set: its order varies by run)
+        params = list(params)
+        param_group = {**param_group, "params": params}
+    for param in params:
+        if isinstance(param, torch.Tensor) and param.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name} steps float32, float16 and bfloat16 parameters, got one of "
+                f"{param.dtype}; {fix}convert the model (model.float())"
+            )
+    return param_group
 
 
 def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:

@@ -43,11 +43,10 @@ from __future__ import annotations
 
 import torch
 
-from .catchup import _check_hyper
+from .catchup import _DTYPES, _check_hyper, checked_adam_group
 
 __all__ = ["SharedMomentAdamW"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "shared_exp_avg_sq", "shared_weight", "shared_at")
 
 
@@ -117,24 +116,7 @@ class SharedMomentAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; refuses the group's hyperparameters
         as the constructor does, and parameters that are not float32, float16 or bfloat16."""
-        group = {**self.defaults, **param_group}
-        _check_hyper(
-            group["lr"], group["betas"], group["eps"], group["weight_decay"],
-            where="SharedMomentAdamW parameter group",
-        )  # fmt: skip
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif not isinstance(params, set):  # (torch refuses a set: its order varies by run)
-            params = list(params)  # (a generator, read once)
-            param_group = {**param_group, "params": params}
-        for param in params:
-            if isinstance(param, torch.Tensor) and param.dtype not in _DTYPES:
-                raise TypeError(
-                    f"SharedMomentAdamW steps float32, float16 and bfloat16 parameters, got "
-                    f"one of {param.dtype}; convert the model (model.float())"
-                )
-        super().add_param_group(param_group)
+        super().add_param_group(checked_adam_group("SharedMomentAdamW", self.defaults, param_group))
 
     # ------------------------------------------------------------ the wrapper's protocol
 
