@@ -1107,6 +1107,9 @@ def main(argv: list[str] | None = None) -> int:
             # Calibrated once, at the first rate; the later rates use the same t.
             args.threshold, args.threshold_how = threshold["t"], threshold["how"]
     results["seconds"] = time.perf_counter() - started
+    params = next((r["data"]["params"] for r in results["rates"] if r.get("data")), 0)
+    if params:  # the defaults depend on the model's size: what these rows ran with
+        results["config"]["bucket_caps"] = list(planner.bucket_caps(args.bucket_cap_mb, params))
     return _write_report(results, args, out)
 
 

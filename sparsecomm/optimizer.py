@@ -556,13 +556,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
         self._before_exchange()
         params = [p for p in self._params if p.grad is not None]
-        refusal = self._agree_gradients_finite(dropped=self._drop_pending)
+        due = self._refresh_due()
+        refusal = self._agree_gradients_finite(dropped=self._drop_pending, due=due)
         self._drop_pending = False
         if refusal is not None:
             self._step_stats = self._refused_stats()
             self._finish_step(skipped=True)
             raise refusal
-        shared_bytes = self._share_average_gradient()
+        shared_bytes = self._share_average_gradient() if due else 0
         before = self._copies_before_step(params)
         self.optimizer.step()
         for param, old in zip(params, before):
@@ -585,15 +586,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 shared.sub_(param.grad.to(shared.dtype))
         self._write_local()
 
+    def _refresh_due(self) -> bool | None:
+        """Whether the wrapped optimizer wants the ranks' averaged gradient this step
+        (``SharedMomentAdamW``), told first how many ranks step together; None for an
+        optimizer that never does."""
+        tell = getattr(self.optimizer, "set_world_size", None)
+        if tell is None:
+            return None
+        tell(self.world_size)
+        return self.world_size > 1 and bool(self.optimizer.average_gradient_due())
+
     def _share_average_gradient(self) -> int:
-        """For a wrapped optimizer that asks for it this step (``SharedMomentAdamW``), the
-        ranks' averaged gradient: every gradient (zeros for one this rank lacks) summed in
-        its ``average_dtype`` by one all-reduce. Returns the bytes this rank sent (none with
-        one rank, where the average is the rank's own gradient and the optimizer AdamW)."""
-        due = getattr(self.optimizer, "average_gradient_due", None)
-        if due is None or not self._comm.distributed or self.world_size == 1 or not due():
+        """Hand the wrapped optimizer the sum over the ranks of every gradient (zeros for
+        one this rank lacks), in its ``average_dtype``, by one all-reduce: when
+        :meth:`_refresh_due` said so, on every rank alike. Returns the bytes sent."""
+        frozen = set(self._frozen)
+        params = [p for i, p in enumerate(self._params) if i not in frozen]
+        if not params:
             return 0
-        params = [p for p in self._params if p.requires_grad]
         device = self._engine.device
         flat = torch.cat(
             [
@@ -604,11 +614,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             ]
         )
         self._comm.all_reduce_(flat)
-        average = flat.float().div_(self.world_size)
-        averages = {
-            param: view.to(param.device) for param, view in zip(params, _unflatten(average, params))
-        }
-        self.optimizer.take_average_gradient(averages, self.world_size)
+        self.optimizer.take_average_gradient(
+            {param: view.to(param.device) for param, view in zip(params, _unflatten(flat, params))}
+        )
         return flat.numel() * flat.element_size()
 
     def _copies_before_step(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -667,12 +675,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 for param, mine in zip(self._params, local):
                     param.copy_(mine)
 
-    def _agree_gradients_finite(self, dropped: bool) -> RuntimeError | None:
+    def _agree_gradients_finite(
+        self, dropped: bool, due: bool | None = None
+    ) -> RuntimeError | None:
         """``exchange="updates"``: one all-reduce of a flag per rank (2: it dropped the
         step, 1: a gradient holds NaN or Inf, 0: neither), before the wrapped optimizer
-        steps. Returns the step's refusal or None."""
+        steps, and of whether its optimizer wants the averaged gradient (``due``; None: it
+        never does). Returns the step's refusal or None."""
         device = self._engine.device
-        flags = torch.zeros(self.world_size, device=device)
+        flags = torch.zeros(2 * self.world_size, device=device)
+        if due:
+            flags[self.world_size + self.rank] = 1.0
         params = [p for p in self._params if p.grad is not None]
         if dropped:
             flags[self.rank] = 2.0
@@ -687,6 +700,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._comm.distributed:
             flags = self._comm.all_reduce_(flags, op="max")
         values = flags.tolist()
+        values, dues = values[: self.world_size], values[self.world_size :]
+        if due is not None and len(set(dues)) > 1:
+            return RuntimeError(
+                "the ranks' SharedMomentAdamW disagree on whether this step refreshes the "
+                f"shared second moment (by rank: {[bool(d) for d in dues]}): their step "
+                "counts differ. Resume every rank from the state_dict() it saved at the same "
+                "step, and step the wrapped optimizer only through CompressedOptimizer"
+            )
         if not any(values):
             return None
         dropped_ranks = [r for r, flag in enumerate(values) if flag == 2]
@@ -1459,6 +1480,7 @@ ADAM_FAMILY = (
     torch.optim.NAdam,
     torch.optim.RAdam,
     CatchUpAdamW,
+    SharedMomentAdamW,
 )
 
 
@@ -1606,6 +1628,16 @@ def _check_arguments(
     for name, value in (("error_feedback", error_feedback), ("overlap", overlap)):
         if not isinstance(value, bool):
             return TypeError(f"{name} must be True or False, got {value!r}")
+    most = compressor.default_max_buckets
+    if (
+        bucket_cap_mb is None
+        and most is not None
+        and (isinstance(most, bool) or not isinstance(most, int) or most < 1)
+    ):
+        return ValueError(
+            f"{type(compressor).__name__}.default_max_buckets must be an int >= 1 or None (no "
+            f"bound), got {most!r}; set it in the class, or pass bucket_cap_mb"
+        )
     default = compressor.default_bucket_cap_mb
     if bucket_cap_mb is None and not _good_cap(default):  # a custom compressor's
         return ValueError(
@@ -1616,7 +1648,7 @@ def _check_arguments(
         return ValueError(
             f"bucket_cap_mb must be a number > 0 (MiB of float32 per bucket; float('inf') "
             f"for no cap), got {bucket_cap_mb!r}; leave it out (None) for the compressor's "
-            f"default, {default!r} for {compressor!r}"
+            f"default ({default!r} MiB for {compressor!r}, more for a very large model)"
         )
     if (
         isinstance(min_compress_numel, bool)

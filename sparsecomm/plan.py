@@ -20,7 +20,8 @@ bytes/s, per-message latency ``alpha``):
   ``(W-1) * k * b`` bytes and pays ``(W-1)`` latency terms;
 - time = bytes / B + latency terms * alpha, once per bucket for the latency terms (sparsecomm
   runs one collective per bucket of ``bucket_cap_mb``: by default 25 MiB for Dense and Cast,
-  100 MiB for TopK and Threshold, :func:`bucket_caps`).
+  100 MiB for TopK and Threshold, or what keeps a model over 1.6 GiB to 16 of them,
+  :func:`bucket_caps`).
 
 Setting the two byte counts equal gives the crossover density ``k/n = 2e / (W b)``: ``1/W`` for
 fp32 against 8-byte pairs (12.5% at W=8, 1.6% at W=64). A sparse all-gather pays fewer latency
@@ -191,10 +192,11 @@ def bucket_caps(bucket_cap_mb=None, params: float = 0) -> tuple[float, float]:
 
     Example:
         >>> bucket_caps(), bucket_caps(50), bucket_caps((25, 200)), bucket_caps(None, 1e9)
-        ((25.0, 100.0), (50, 50), (25, 200), (25.0, 238.4185791015625))
+        ((25.0, 100.0), (50, 50), (25, 200), (25.0, 238.41858100891113))
     """
     if bucket_cap_mb is None:
-        most = params * FP32_BYTES / MB / SPARSE_MAX_BUCKETS
+        # (half an element over the 16th part, so that _per_bucket's floor keeps it)
+        most = (math.ceil(params / SPARSE_MAX_BUCKETS) + 0.5) * FP32_BYTES / MB
         return DEFAULT_BUCKET_CAP_MB, max(SPARSE_BUCKET_CAP_MB, most)
     if isinstance(bucket_cap_mb, (tuple, list)):
         dense, sparse = bucket_cap_mb
@@ -519,7 +521,8 @@ def plan(
             ``threshold_densities`` is given), each in (0, 1].
         bucket_cap_mb: bucket size; each bucket is one collective, so one set of latency terms.
             Default None: ``CompressedOptimizer``'s defaults, 25 MiB for the Dense and Cast
-            rows and 100 MiB for the TopK and Threshold rows (:func:`bucket_caps`).
+            rows and 100 MiB for the TopK and Threshold rows, or 16 buckets' worth of a model
+            over 1.6 GiB (:func:`bucket_caps`).
         pair_bytes: bytes per sparse pair (8: int32 index + fp32 value; 6 with half values).
         threshold_densities: the densities the Threshold rows' ``t`` gives, if not
             ``densities``.
@@ -1021,7 +1024,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="bucket size in MiB, for every row; latency is paid per bucket (default: "
-        "CompressedOptimizer's, 25 for Dense and Cast, 100 for TopK and Threshold; under "
+        "CompressedOptimizer's, 25 for Dense and Cast, 100 for TopK and Threshold (16 "
+        "buckets' worth for a model over 1.6 GiB); under "
         "ddp_comm_hook pass DDP's, 25 by default)",
     )
     parser.add_argument(

@@ -26,14 +26,15 @@ the last refresh (an embedding row first seen since) from dividing by zero. Then
 
     p <- p * (1 - lr * weight_decay) - lr * m_hat / denominator
 
-With one rank (the wrapper then never refreshes: the average is the rank's own gradient),
-or used without a wrapper that refreshes it, the denominator is AdamW's own, ``sqrt(v_hat)
-+ eps``, and the optimizer is AdamW. The floor binds where the ranks' gradients mostly
-cancel (the average's second moment below a W-th of the rank's own): on coordinates the
-last refresh did not see, and early in training, while the moments rest on few steps; in
-expectation it never does (``E[v_i] / W <= E[average^2]``). Where it does not, the average
-of the ranks' steps is dense AdamW's step on the averaged gradient (to the staleness of
-the last refresh and to rounding).
+With one rank, or used without a wrapper (which says before each step how many ranks step
+together: :meth:`SharedMomentAdamW.set_world_size`), the denominator is AdamW's own,
+``sqrt(v_hat) + eps``, and the optimizer is AdamW. The floor binds where this rank's
+second moment exceeds ``W`` times the shared one: on coordinates the last refresh did not
+see, and where the ranks' gradients disagree (in one step with two ranks, where one rank's
+gradient is over ``sqrt(2)`` times the average: a quarter of the coordinates in the
+test's small model, whose ranks share most of their loss); there the step is smaller than
+dense AdamW's. Where it does not bind, the average of the ranks' steps is dense AdamW's
+step on the averaged gradient (to the staleness of the last refresh and to rounding).
 
 Use it with ``exchange="local_updates"`` (or ``"updates"``); with the gradient exchange every
 rank already steps on the average, and the wrapper refuses it.
@@ -43,10 +44,12 @@ from __future__ import annotations
 
 import torch
 
-from .catchup import _DTYPES, _check_hyper, checked_adam_group
+from .catchup import _check_hyper, checked_adam_group
 
 __all__ = ["SharedMomentAdamW"]
 
+# What torch's Optimizer.__getstate__ would drop.
+_OWN = ("refresh_every", "average_dtype", "steps", "world_size")
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "shared_exp_avg_sq", "shared_weight", "shared_at")
 
 
@@ -69,8 +72,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             per parameter in bfloat16: ``refresh_every=10`` adds 0.2 bytes per parameter
             and step.
         average_dtype: what the gradients are summed in at a refresh: ``torch.bfloat16``
-            (default; the second moment needs no more than its 8 bits of precision),
-            ``torch.float16`` or ``torch.float32`` (4 bytes per parameter).
+            (default; the second moment needs no more than its 8 bits of precision, and it
+            has float32's range) or ``torch.float32`` (4 bytes per parameter).
 
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (this rank's AdamW
     moments), ``shared_exp_avg_sq`` (the shared second moment, not yet divided by
@@ -90,10 +93,11 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         average_dtype: torch.dtype = torch.bfloat16,
     ):
         _check_hyper(lr, betas, eps, weight_decay, where="SharedMomentAdamW")
-        if average_dtype not in _DTYPES:
+        if average_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(
-                f"SharedMomentAdamW: average_dtype must be torch.bfloat16 (the default), "
-                f"torch.float16 or torch.float32, got {average_dtype!r}"
+                f"SharedMomentAdamW: average_dtype must be torch.bfloat16 (the default) or "
+                f"torch.float32 (float16 would overflow on gradients over 65504), got "
+                f"{average_dtype!r}"
             )
         #: What the ranks' gradients are summed in at a refresh.
         self.average_dtype = average_dtype
@@ -107,7 +111,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         #: Steps taken (``step()`` calls); the shared moment is refreshed when it is a
         #: multiple of ``refresh_every``.
         self.steps = 0
-        #: Ranks whose gradients the last refresh averaged (1 before any).
+        #: Ranks stepping together, as the wrapper last said (:meth:`set_world_size`); with
+        #: one the shared moment is not used and the optimizer is AdamW.
         self.world_size = 1
         self._averages: dict[torch.Tensor, torch.Tensor] | None = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -125,13 +130,16 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         then hands it the ranks' averaged gradient first (:meth:`take_average_gradient`)."""
         return self.steps % self.refresh_every == 0
 
-    def take_average_gradient(
-        self, averages: dict[torch.Tensor, torch.Tensor], world_size: int
-    ) -> None:
-        """The ranks' averaged gradient per parameter (float32, shaped like it), from
-        ``world_size`` ranks, for the next :meth:`step` to take into the shared moment."""
-        self._averages = averages
+    def set_world_size(self, world_size: int) -> None:
+        """How many ranks step together: the wrapper says so before every step. With one
+        (or before the wrapper says otherwise) the shared moment is left out."""
         self.world_size = int(world_size)
+
+    def take_average_gradient(self, sums: dict[torch.Tensor, torch.Tensor]) -> None:
+        """The sum over the ranks of each parameter's gradient (in ``average_dtype``, shaped
+        like it; ``world_size`` ranks), for the next :meth:`step` to take into the shared
+        moment as their average."""
+        self._averages = sums
 
     # ------------------------------------------------------------ step
 
@@ -142,15 +150,16 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         averages, self._averages = self._averages or {}, None
+        params = [p for group in self.param_groups for p in group["params"]]
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            raise TypeError(
+                "SharedMomentAdamW: sparse gradients are not supported; build embeddings "
+                "with sparse=False"
+            )
         self.steps += 1
         for group in self.param_groups:
             for param in group["params"]:
                 grad = param.grad
-                if grad is not None and grad.is_sparse:
-                    raise TypeError(
-                        "SharedMomentAdamW: sparse gradients are not supported; build "
-                        "embeddings with sparse=False"
-                    )
                 average = averages.get(param)
                 if grad is None and average is None:
                     continue
@@ -173,8 +182,9 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             state["shared_at"] = 0
         return state
 
-    def _refresh(self, state: dict, average: torch.Tensor, beta2: float) -> None:
+    def _refresh(self, state: dict, total: torch.Tensor, beta2: float) -> None:
         decay = beta2 ** (self.steps - state["shared_at"])
+        average = total.to(torch.float32).div_(self.world_size)
         shared = state["shared_exp_avg_sq"]
         shared.mul_(decay).addcmul_(average, average, value=1.0 - decay)
         state["shared_weight"] = decay * state["shared_weight"] + (1.0 - decay)
@@ -192,7 +202,7 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         correction1 = 1.0 - beta1**step
         correction2 = 1.0 - beta2**step
         weight = state["shared_weight"]
-        if weight > 0.0:
+        if weight > 0.0 and self.world_size > 1:
             # max(shared / weight, v_hat / W), with one division: the larger of
             # shared * (correction2 * W / weight) and v, over correction2 * W.
             scale = correction2 * self.world_size
@@ -202,21 +212,34 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             scale = correction2
             denom = exp_avg_sq.clone()
         denom.div_(scale).sqrt_().add_(eps)
-        if group["weight_decay"]:
-            param.mul_(1.0 - lr * group["weight_decay"])
+        decay = 1.0 - lr * group["weight_decay"]
         if param.dtype == torch.float32:
+            if decay != 1.0:
+                param.mul_(decay)
             param.addcdiv_(exp_avg, denom, value=-lr / correction1)
-        else:  # a 16-bit parameter: the step in float32, rounded once
-            param.copy_(param.float().addcdiv_(exp_avg, denom, value=-lr / correction1))
+        else:  # a 16-bit parameter: decay and step in float32, rounded once
+            work = param.float().mul_(decay)
+            param.copy_(work.addcdiv_(exp_avg, denom, value=-lr / correction1))
 
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """As ``torch.optim.Optimizer.state_dict``, with the step count and the world size
-        of the last refresh under ``"shared_moment"``."""
+        """As ``torch.optim.Optimizer.state_dict``, with the step count under
+        ``"shared_moment"`` (the world size is the wrapper's to say after a resume)."""
         state = super().state_dict()
-        state["shared_moment"] = {"steps": self.steps, "world_size": self.world_size}
+        state["shared_moment"] = {"steps": self.steps}
         return state
+
+    def __getstate__(self) -> dict:  # copy.deepcopy and pickle: torch keeps three keys
+        state = super().__getstate__()
+        state.update({key: getattr(self, key) for key in _OWN})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        own = {key: state.pop(key) for key in _OWN if key in state}
+        super().__setstate__(state)
+        self.__dict__.update(own)
+        self._averages = None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; the moments stay float32 (torch
@@ -225,7 +248,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         counts = state_dict.get("shared_moment")
         missing = ["shared_moment"] if counts is None else []
         for index, saved in state_dict["state"].items():
-            missing += [f"{key} (parameter {index})" for key in _STATE_KEYS if key not in saved]
+            if saved:  # (an empty entry: a parameter never stepped, looked up since)
+                missing += [f"{key} (parameter {index})" for key in _STATE_KEYS if key not in saved]
         if missing:
             raise ValueError(
                 f"SharedMomentAdamW.load_state_dict: no {', '.join(missing[:3])}"
@@ -236,11 +260,12 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         super().load_state_dict(plain)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
+            if not saved:
+                continue
             param = params[index]
             for key in ("exp_avg", "exp_avg_sq", "shared_exp_avg_sq"):
                 self.state[param][key] = saved[key].to(
                     device=param.device, dtype=torch.float32, copy=True
                 )
         self.steps = int(counts["steps"])
-        self.world_size = int(counts["world_size"])
         self._averages = None

@@ -233,6 +233,66 @@ def shared_moment(rank, world_size, steps, refresh_every, average_dtype=torch.fl
     return flat_params(model), sent, moments, refreshed, averages
 
 
+def shared_moment_out_of_step(rank, world_size):
+    """Rank 1's SharedMomentAdamW one step ahead of rank 0's (as if stepped outside the
+    wrapper): the next step must be refused on both, before anything is sent or stepped.
+    Returns the refusal's message and whether the parameters stayed as they were."""
+    model = make_model(seed=0)
+    inner = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2, refresh_every=2)
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.05), exchange="local_updates")
+    train_step(model, opt, rank, 0)
+    inner.steps += rank
+    before = flat_params(model)
+    x, y = batch(rank, 1)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error), torch.equal(before, flat_params(model))
+    return "no refusal", False
+
+
+def shared_moment_against_dense(rank, world_size):
+    """One step of Dense() with exchange="updates" around SharedMomentAdamW (a refresh, in
+    float32) and around AdamW, beside AdamW on the ranks' averaged gradient; each rank's
+    loss is a part shared by every rank plus a smaller one of its own. Returns the three
+    models' parameters after the step and every rank's gradient at the start."""
+    models = [make_model(seed=0) for _ in range(3)]
+    shared = sparsecomm.CompressedOptimizer(
+        sparsecomm.SharedMomentAdamW(
+            models[0].parameters(), lr=1e-2, weight_decay=0.0, average_dtype=torch.float32
+        ),
+        sparsecomm.Dense(),
+        exchange="updates",
+    )
+    per_rank = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.0),
+        sparsecomm.Dense(),
+        exchange="updates",
+    )
+    dense = torch.optim.AdamW(models[2].parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+
+    def loss(model, who):
+        x, y = batch(1000, 0)  # every rank's
+        own_x, own_y = batch(who, 0)
+        mse = torch.nn.functional.mse_loss
+        return mse(model(x), y) + 0.2 * mse(model(own_x), own_y)
+
+    grads = []
+    for who in range(world_size):
+        loss(models[2], who).backward()
+        grads.append(torch.cat([p.grad.reshape(-1).clone() for p in models[2].parameters()]))
+        dense.zero_grad()
+    for model, opt in ((models[0], shared), (models[1], per_rank)):
+        loss(model, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    for who in range(world_size):
+        (loss(models[2], who) / world_size).backward()
+    dense.step()
+    return [flat_params(m) for m in models], grads
+
+
 def resumed_at_different_steps(rank, world_size):
     """Each rank saves after steps 2 and 4. New optimizers: the ranks load saves of
     different steps, or only rank 0 loads one (each case's error message, or None). Then,

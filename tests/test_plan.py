@@ -558,8 +558,9 @@ def test_bucket_sizes_follow_the_library():
     # Over 16 sparse buckets of 100 MiB (~420M elements) the sparse ones grow, as the
     # library's do: a 1e9-element model in 16 buckets of 238 MiB, not 39 of 100.
     assert bucket_caps(None, 4e8) == (25.0, 100.0)
-    assert bucket_caps(None, 1e9) == (25.0, 1e9 * 4 / 2**20 / 16)
-    assert num_buckets(1e9, bucket_caps(None, 1e9)[1]) == 16
+    assert bucket_caps(None, 1e9) == (25.0, (62_500_000 + 0.5) * 4 / 2**20)
+    for n in (1e9, 1.3e9, 1.234567e9, 6.7e9 + 1, 4.2e8):  # never a 17th sliver
+        assert num_buckets(n, bucket_caps(None, n)[1]) == 16, n
     for dense in (sparsecomm.Dense(), sparsecomm.Cast(torch.bfloat16)):
         assert dense.default_bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
     for sparse in (sparsecomm.TopK(0.01), sparsecomm.Threshold(1e-3)):

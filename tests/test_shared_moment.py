@@ -74,7 +74,8 @@ def test_a_refresh_divides_by_the_shared_moment_or_the_rank_s_own_over_w():
     assert opt.average_gradient_due()
     average = torch.tensor([2.0, 0.5, 0.0, -3.0])
     grad = torch.tensor([1.0, 1.0, 1.0, 1.0])
-    opt.take_average_gradient({param: average}, world_size=4)
+    opt.set_world_size(4)  # as the wrapper says before every step
+    opt.take_average_gradient({param: 4 * average})  # the sum over the 4 ranks
     param.grad = grad.clone()
     opt.step()
     shared_hat = average.square()  # one refresh: (1 - d) a^2 / (1 - d)
@@ -98,7 +99,7 @@ def test_a_refresh_divides_by_the_shared_moment_or_the_rank_s_own_over_w():
     torch.testing.assert_close(param.detach(), expected, rtol=1e-6, atol=0)
     # Refreshed again at step 3, after two steps: the old average decays by beta2^2.
     assert opt.average_gradient_due()
-    opt.take_average_gradient({param: torch.zeros(4)}, world_size=4)
+    opt.take_average_gradient({param: torch.zeros(4)})
     param.grad = grad.clone()
     opt.step()
     decay = beta2**2
@@ -139,10 +140,11 @@ def test_two_ranks_share_the_second_moment_of_their_averaged_gradient(refresh_ev
 def test_state_dict_resumes_bitwise_and_refuses_another_optimizer_s():
     def run(model, opt, steps, start=0):
         for step in range(start, steps):
-            if opt.average_gradient_due():  # as the wrapper would, from 3 ranks
+            opt.set_world_size(3)  # as the wrapper would, for 3 ranks
+            if opt.average_gradient_due():
                 gen = torch.Generator().manual_seed(100 + step)
-                averages = {p: torch.randn(p.shape, generator=gen) for p in model.parameters()}
-                opt.take_average_gradient(averages, world_size=3)
+                sums = {p: torch.randn(p.shape, generator=gen) for p in model.parameters()}
+                opt.take_average_gradient(sums)
             loss_on(model, step).backward()
             opt.step()
             opt.zero_grad()
@@ -152,7 +154,7 @@ def test_state_dict_resumes_bitwise_and_refuses_another_optimizer_s():
     run(model, opt, 6)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved = copy.deepcopy(opt.state_dict())  # (state_dict() holds the live tensors)
-    assert saved["shared_moment"] == {"steps": 6, "world_size": 3}
+    assert saved["shared_moment"] == {"steps": 6}
     run(model, opt, 12, start=6)
 
     resumed_model = model_of(seed=1)
@@ -203,3 +205,104 @@ def test_the_gradient_exchange_refuses_it_naming_the_exchange_to_use():
     inner = sparsecomm.SharedMomentAdamW(model_of().parameters())
     with pytest.raises(ValueError, match="exchange='local_updates'"):
         sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.01))
+
+
+def test_resumed_on_one_rank_or_unwrapped_it_is_adamw_again():
+    """A state saved on 3 ranks, loaded where nothing says otherwise (one rank, or no
+    wrapper): the world size is 1, and the shared moment it carries is left out."""
+    model = model_of()
+    opt = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2, refresh_every=2)
+    for step in range(5):
+        opt.set_world_size(3)
+        if opt.average_gradient_due():
+            opt.take_average_gradient({p: 50 * torch.ones_like(p) for p in model.parameters()})
+        loss_on(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    results = []
+    for forget_shared in (False, True):
+        resumed_model = model_of(seed=1)
+        resumed_model.load_state_dict(model.state_dict())
+        resumed = sparsecomm.SharedMomentAdamW(resumed_model.parameters(), lr=1e-2)
+        state = copy.deepcopy(saved)
+        if forget_shared:
+            for entry in state["state"].values():
+                entry["shared_exp_avg_sq"].zero_()
+                entry["shared_weight"] = 0.0
+        resumed.load_state_dict(state)
+        assert resumed.world_size == 1
+        loss_on(resumed_model, 5).backward()
+        resumed.step()
+        results.append([p.detach().clone() for p in resumed_model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_an_entry_without_state_saves_and_loads():
+    """torch's state is a defaultdict: looking up a parameter that never had a gradient
+    leaves an empty entry, which state_dict() saves and load_state_dict() must take."""
+    model = model_of()
+    opt = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2)
+    loss_on(model, 0).backward()
+    model[0].bias.grad = None
+    opt.step()
+    assert opt.state[model[0].bias] == {}  # the lookup makes the empty entry
+    saved = copy.deepcopy(opt.state_dict())
+    again = sparsecomm.SharedMomentAdamW(model_of().parameters(), lr=1e-2)
+    again.load_state_dict(saved)
+    assert again.steps == 1
+
+
+def test_deepcopy_and_pickle_keep_its_own_settings():
+    model = model_of()
+    opt = sparsecomm.SharedMomentAdamW(
+        model.parameters(), refresh_every=7, average_dtype=torch.float32
+    )
+    opt.set_world_size(2)
+    loss_on(model, 0).backward()
+    opt.step()
+    for other in (copy.deepcopy(opt), torch.load(_saved(opt), weights_only=False)):
+        assert (other.refresh_every, other.average_dtype, other.steps, other.world_size) == (
+            7,
+            torch.float32,
+            1,
+            2,
+        )
+        assert not other.average_gradient_due()
+
+
+def _saved(obj):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_two_ranks_whose_refresh_schedules_differ_refuse_on_both():
+    results = run_ranks(_workers.shared_moment_out_of_step, 2)
+    for rank, (message, params_equal) in enumerate(results):
+        assert "disagree on whether this step refreshes" in message, (rank, message)
+        assert params_equal, f"rank {rank}: the refused step changed the parameters"
+
+
+def test_two_ranks_step_as_adamw_on_the_average_where_the_floor_does_not_bind():
+    """The point of it, one step with a refresh in float32: on every coordinate where no
+    rank's squared gradient over W exceeds the averaged gradient's (the floor does not
+    bind), the average of the ranks' steps is dense AdamW's step on the averaged gradient,
+    to rounding."""
+    (shared, per_rank, dense), grads = run_ranks(_workers.shared_moment_against_dense, 2)[0]
+    average = (grads[0] + grads[1]) / 2
+    free = (grads[0].square() / 2 < 0.99 * average.square()) & (
+        grads[1].square() / 2 < 0.99 * average.square()
+    )
+    assert float(free.float().mean()) > 0.5  # most coordinates: the ranks mostly agree
+    torch.testing.assert_close(shared[free], dense[free], rtol=0, atol=1e-6)
+    # (Per-rank AdamW's first step is lr * sign(g_i): dense's where the ranks' signs agree,
+    # half as far where they differ.)
+    assert float((per_rank - dense).abs().max()) > 1e-3
+    # Where it binds, the step is smaller than dense AdamW's: never larger.
+    start = _workers.flat_params(_workers.make_model(seed=0))
+    bound = ~free & (average != 0)
+    assert bool(((shared - start)[bound].abs() <= (dense - start)[bound].abs() + 1e-6).all())
