@@ -162,8 +162,13 @@ def test_update_rms_is_the_step_in_learning_rates():
             *("--compressor", "topk", "--density", "0.01", "--optimizer", "adamw"),
             *("--lr", "3e-3", "--exchange", "local_updates"),
         ],
+        # Killed between refreshes of the shared second moment (every 5th step).
+        [
+            *("--compressor", "topk", "--density", "0.01", "--optimizer", "shared-moment-adamw"),
+            *("--lr", "3e-3", "--exchange", "local_updates", "--refresh-every", "5"),
+        ],
     ],
-    ids=["topk-sgd", "threshold-adamw", "topk-warmup-dgc", "topk-local-updates"],
+    ids=["topk-sgd", "threshold-adamw", "topk-warmup-dgc", "topk-local-updates", "shared-moment"],
 )
 def test_killed_and_resumed_run_matches_uninterrupted_bitwise(tmp_path, flags):
     steps = ["--steps", "24", "--eval-every", "8"]
