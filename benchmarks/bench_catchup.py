@@ -4,8 +4,9 @@ The parameters are shaped like the 163M GPT of ``bench_step.py --model gpt`` by 
 (149 tensors); each gradient has ``--received`` of its elements nonzero (what the
 average of a sparse exchange leaves; 1.0 is a dense gradient). Rows: AdamW fused and
 foreach, ``CatchUpAdamW`` as it dispatches (the Triton kernel on CUDA) and with its torch
-ops (``SPARSECOMM_KERNELS=torch``). Milliseconds per step, median of ``--steps`` after one
-warm-up step, CUDA events on a GPU, wall clock on a CPU.
+ops (``SPARSECOMM_KERNELS=torch``), and ``SharedMomentAdamW`` as on two ranks between
+refreshes (its shared moment taken in at the untimed first step). Milliseconds per step,
+median of ``--steps`` after one warm-up step, CUDA events on a GPU, wall clock on a CPU.
 
     python benchmarks/bench_catchup.py                     # CUDA if there is one
     python benchmarks/bench_catchup.py --scale 0.05 --device cpu
@@ -81,8 +82,11 @@ def main() -> None:
     print(
         f"{len(shapes)} tensors, {numel / 1e6:.1f}M parameters, {device}, torch {torch.__version__}"
     )
-    print("| received | AdamW fused | AdamW foreach | CatchUpAdamW | CatchUpAdamW, torch ops |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| received | AdamW fused | AdamW foreach | CatchUpAdamW | CatchUpAdamW, torch ops "
+        "| SharedMomentAdamW |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen, requires_grad=True) for s in shapes]
     for received in args.received:
@@ -92,10 +96,14 @@ def main() -> None:
             g[torch.rand(p.shape, device=device, generator=gen) >= received] = 0.0
             grads.append(g)
         cells = []
-        for name in ("fused", "foreach", "catchup", "catchup-torch"):
+        for name in ("fused", "foreach", "catchup", "catchup-torch", "shared"):
             os.environ["SPARSECOMM_KERNELS"] = "torch" if name == "catchup-torch" else "auto"
             if name.startswith("catchup"):
                 opt = sparsecomm.CatchUpAdamW(params, lr=1e-4)
+            elif name == "shared":  # as on 2 ranks: the shared moment taken in at step 1
+                opt = sparsecomm.SharedMomentAdamW(params, lr=1e-4)
+                opt.set_world_size(2)
+                opt.take_average_gradient({p: 2 * g for p, g in zip(params, grads)})
             else:
                 opt = torch.optim.AdamW(params, lr=1e-4, **{name: True})
             ms = time_steps(opt, params, grads, args.steps, device, args.start_step)

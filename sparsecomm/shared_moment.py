@@ -158,16 +158,21 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             )
         self.steps += 1
         for group in self.param_groups:
+            stepped = []
             for param in group["params"]:
-                grad = param.grad
                 average = averages.get(param)
-                if grad is None and average is None:
+                if param.grad is None and average is None:
                     continue
                 state = self._state_of(param)
                 if average is not None:
                     self._refresh(state, average, group["betas"][1])
-                if grad is not None:
-                    self._step_param(param, grad, state, group)
+                if param.grad is not None:
+                    stepped.append(param)
+            if _batched(stepped):  # few launches for many tensors
+                self._step_group(stepped, group)
+            else:  # a CPU: each tensor's ops while it is in cache (faster than foreach)
+                for param in stepped:
+                    self._step_group([param], group)
         return loss
 
     def _state_of(self, param: torch.Tensor) -> dict:
@@ -190,36 +195,58 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         state["shared_weight"] = decay * state["shared_weight"] + (1.0 - decay)
         state["shared_at"] = self.steps
 
-    def _step_param(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group) -> None:
+    def _step_group(self, params: list[torch.Tensor], group: dict) -> None:
+        """AdamW's step with the shared denominator for ``params`` (one group's, each with a
+        gradient, all on one device), in a few foreach launches for all of them: on CUDA a
+        model of many tensors then pays a dozen launches a step, not a dozen per tensor."""
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
-        state["step"] += 1
-        step = state["step"]
-        grad = grad.float()
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        correction1 = 1.0 - beta1**step
-        correction2 = 1.0 - beta2**step
-        weight = state["shared_weight"]
-        if weight > 0.0 and self.world_size > 1:
-            # max(shared / weight, v_hat / W), with one division: the larger of
-            # shared * (correction2 * W / weight) and v, over correction2 * W.
-            scale = correction2 * self.world_size
-            denom = torch.mul(state["shared_exp_avg_sq"], scale / weight)
-            torch.maximum(denom, exp_avg_sq, out=denom)
-        else:
-            scale = correction2
-            denom = exp_avg_sq.clone()
-        denom.div_(scale).sqrt_().add_(eps)
+        states = [self.state[p] for p in params]
+        for state in states:
+            state["step"] += 1
+        grads = [p.grad.float() for p in params]
+        exp_avgs = [state["exp_avg"] for state in states]
+        exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        # The denominator sqrt(max(shared / weight, v / (c2 W))) with one division: the
+        # larger of shared * (c2 W / weight) and v, over c2 W (c2: the bias correction).
+        # Without the shared moment (one rank, none taken in yet): sqrt(v / c2).
+        scales, denoms = [], []
+        for state, exp_avg_sq in zip(states, exp_avg_sqs):
+            correction2 = 1.0 - beta2 ** state["step"]
+            weight = state["shared_weight"]
+            if weight > 0.0 and self.world_size > 1:
+                scale = correction2 * self.world_size
+                denom = torch.mul(state["shared_exp_avg_sq"], scale / weight)
+                torch.maximum(denom, exp_avg_sq, out=denom)
+            else:
+                scale = correction2
+                denom = exp_avg_sq.clone()
+            scales.append(scale)
+            denoms.append(denom)
+        torch._foreach_div_(denoms, scales)
+        torch._foreach_sqrt_(denoms)
+        torch._foreach_add_(denoms, eps)
         decay = 1.0 - lr * group["weight_decay"]
-        if param.dtype == torch.float32:
+        steps = [-lr / (1.0 - beta1 ** state["step"]) for state in states]
+        full = [i for i, p in enumerate(params) if p.dtype == torch.float32]
+        if full:
+            mine = [params[i] for i in full]
             if decay != 1.0:
-                param.mul_(decay)
-            param.addcdiv_(exp_avg, denom, value=-lr / correction1)
-        else:  # a 16-bit parameter: decay and step in float32, rounded once
-            work = param.float().mul_(decay)
-            param.copy_(work.addcdiv_(exp_avg, denom, value=-lr / correction1))
+                torch._foreach_mul_(mine, decay)
+            torch._foreach_addcdiv_(
+                mine,
+                [exp_avgs[i] for i in full],
+                [denoms[i] for i in full],
+                [steps[i] for i in full],
+            )
+        for i, param in enumerate(params):  # a 16-bit parameter: decay and step in float32,
+            if param.dtype != torch.float32:  # rounded once
+                work = param.float().mul_(decay)
+                param.copy_(work.addcdiv_(exp_avgs[i], denoms[i], value=steps[i]))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -269,3 +296,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
                 )
         self.steps = int(counts["steps"])
         self._averages = None
+
+
+def _batched(params: list[torch.Tensor]) -> bool:
+    """Whether ``params`` step together in foreach launches: on one CUDA device."""
+    return bool(params) and params[0].is_cuda and all(p.device == params[0].device for p in params)

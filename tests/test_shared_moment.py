@@ -306,3 +306,27 @@ def test_two_ranks_step_as_adamw_on_the_average_where_the_floor_does_not_bind():
     start = _workers.flat_params(_workers.make_model(seed=0))
     bound = ~free & (average != 0)
     assert bool(((shared - start)[bound].abs() <= (dense - start)[bound].abs() + 1e-6).all())
+
+
+def test_the_batched_step_of_cuda_gives_the_per_tensor_step_s_bits(monkeypatch):
+    """On CUDA a group steps in foreach launches, on a CPU tensor by tensor: the same
+    operations, so the same bits (here both on the CPU, the batched path forced)."""
+    from sparsecomm import shared_moment
+
+    results = []
+    for batched in (False, True):
+        monkeypatch.setattr(shared_moment, "_batched", lambda params, b=batched: b)
+        model = model_of()
+        opt = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2, refresh_every=2)
+        for step in range(5):
+            opt.set_world_size(2)
+            if opt.average_gradient_due():
+                gen = torch.Generator().manual_seed(step)
+                opt.take_average_gradient(
+                    {p: torch.randn(p.shape, generator=gen) for p in model.parameters()}
+                )
+            loss_on(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
