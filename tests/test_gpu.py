@@ -439,3 +439,26 @@ def test_cuda_local_updates_keep_parameters_at_shared_less_residual(compressor, 
         ends[device] = _workers.flat_params(model).cpu()
     # The model's matmuls differ between CPU and GPU; the exchange does not add to that.
     torch.testing.assert_close(ends["cuda"], ends["cpu"], rtol=1e-3, atol=1e-3)
+
+
+def test_cuda_shared_moment_adamw_steps_as_on_the_cpu():
+    """SharedMomentAdamW on CUDA steps a group in foreach launches: the same moments and
+    parameters as the CPU's tensor-by-tensor step, to rounding, with the shared moment in
+    use (as on 2 ranks) and refreshed every other step."""
+    results = []
+    for device in ("cpu", "cuda"):
+        model = _workers.make_model(seed=0).to(device)
+        opt = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2, refresh_every=2)
+        for step in range(6):
+            opt.set_world_size(2)
+            if opt.average_gradient_due():
+                gen = torch.Generator().manual_seed(step)
+                opt.take_average_gradient(
+                    {p: torch.randn(p.shape, generator=gen).to(device) for p in model.parameters()}
+                )
+            x, y = (t.to(device) for t in _workers.batch(0, step))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(_workers.flat_params(model).cpu())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
