@@ -233,6 +233,22 @@ def shared_moment(rank, world_size, steps, refresh_every, average_dtype=torch.fl
     return flat_params(model), sent, moments, refreshed, averages
 
 
+def shared_moment_step(model, opt, step, device="cpu"):
+    """One step of a SharedMomentAdamW ``opt`` alone, as its wrapper would drive it on 2
+    ranks: the world size said, a refresh when due (seeded random sums), then rank 0's
+    batch."""
+    opt.set_world_size(2)
+    if opt.average_gradient_due():
+        gen = torch.Generator().manual_seed(step)
+        opt.take_average_gradient(
+            {p: torch.randn(p.shape, generator=gen).to(device) for p in model.parameters()}
+        )
+    x, y = (t.to(device) for t in batch(0, step))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def shared_moment_out_of_step(rank, world_size):
     """Rank 1's SharedMomentAdamW one step ahead of rank 0's (as if stepped outside the
     wrapper): the next step must be refused on both, before anything is sent or stepped.

@@ -450,15 +450,6 @@ def test_cuda_shared_moment_adamw_steps_as_on_the_cpu():
         model = _workers.make_model(seed=0).to(device)
         opt = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2, refresh_every=2)
         for step in range(6):
-            opt.set_world_size(2)
-            if opt.average_gradient_due():
-                gen = torch.Generator().manual_seed(step)
-                opt.take_average_gradient(
-                    {p: torch.randn(p.shape, generator=gen).to(device) for p in model.parameters()}
-                )
-            x, y = (t.to(device) for t in _workers.batch(0, step))
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _workers.shared_moment_step(model, opt, step, device)
         results.append(_workers.flat_params(model).cpu())
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)

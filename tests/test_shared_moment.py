@@ -316,17 +316,9 @@ def test_the_batched_step_of_cuda_gives_the_per_tensor_step_s_bits(monkeypatch):
     results = []
     for batched in (False, True):
         monkeypatch.setattr(shared_moment, "_batched", lambda params, b=batched: b)
-        model = model_of()
+        model = _workers.make_model(seed=0)
         opt = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-2, refresh_every=2)
         for step in range(5):
-            opt.set_world_size(2)
-            if opt.average_gradient_due():
-                gen = torch.Generator().manual_seed(step)
-                opt.take_average_gradient(
-                    {p: torch.randn(p.shape, generator=gen) for p in model.parameters()}
-                )
-            loss_on(model, step).backward()
-            opt.step()
-            opt.zero_grad()
+            _workers.shared_moment_step(model, opt, step)
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
