@@ -314,7 +314,8 @@ def test_the_step_benchmark_prints_its_table():
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |")]
     rows += [line for line in result.stdout.splitlines() if line.startswith("| 0.1 |")]
-    assert len(rows) == 2 and all(len(row.split("|")) == 7 for row in rows), result.stdout
+    assert len(rows) == 2 and all(len(row.split("|")) == 8 for row in rows), result.stdout
+    assert "| SharedMomentAdamW |" in result.stdout
 
 
 @pytest.mark.parametrize("tau", [1, 2, 7, 100])
