@@ -604,18 +604,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         params = [p for i, p in enumerate(self._params) if i not in frozen]
         if not params:
             return 0
-        device = self._engine.device
-        flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p))
-                .reshape(-1)
-                .to(device=device, dtype=self.optimizer.average_dtype)
-                for p in params
-            ]
+        # One buffer, each gradient cast into its view in one pass (no per-gradient copy to
+        # concatenate afterwards).
+        flat = torch.empty(
+            sum(p.numel() for p in params),
+            dtype=self.optimizer.average_dtype,
+            device=self._engine.device,
         )
+        views = _unflatten(flat, params)
+        given = [(view, p.grad) for view, p in zip(views, params) if p.grad is not None]
+        if given:
+            torch._foreach_copy_([view for view, _ in given], [grad for _, grad in given])
+        for view, param in zip(views, params):
+            if param.grad is None:
+                view.zero_()
         self._comm.all_reduce_(flat)
         self.optimizer.take_average_gradient(
-            {param: view.to(param.device) for param, view in zip(params, _unflatten(flat, params))}
+            {param: view.to(param.device) for param, view in zip(params, views)}
         )
         return flat.numel() * flat.element_size()
 
