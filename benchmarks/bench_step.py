@@ -21,7 +21,10 @@ end in options, each after a ``/``: ``/stream`` (the engine's side CUDA stream),
 (buckets of one parameter copy their gradient instead of adopting it), ``/nographs``
 (``cuda_graphs=False``), ``/adam`` (``TopK(d, select="adam")``), ``/cap<MiB>``
 (``bucket_cap_mb``: the optimizer's, or in a ``ddp+sc-`` row DDP's; ``/capinf``: no cap),
-e.g. ``TopK(0.01)/nographs/stream`` or ``ddp+sc-TopK(0.01)/cap100``.
+``/updates`` and ``/local`` (``exchange="updates"`` and ``"local_updates"``), ``/shared``
+(``sparsecomm.SharedMomentAdamW`` with the workload's AdamW settings, in place of AdamW; at
+one rank it never refreshes its shared moment), e.g. ``TopK(0.01)/nographs/stream``,
+``ddp+sc-TopK(0.01)/cap100`` or ``TopK(0.01)/local/shared``.
 
 Each row builds a fresh model from the same seed, runs ``--warmup`` steps and times
 ``--steps`` (forward, backward, optimizer step, ``zero_grad``; the device synchronized
@@ -218,7 +221,7 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
-OPTIONS = ("stream", "noadopt", "nographs", "adam")
+OPTIONS = ("stream", "noadopt", "nographs", "adam", "updates", "local", "shared")
 
 
 def split_options(name: str) -> tuple[str, set[str]]:
@@ -269,6 +272,15 @@ def make_compressor(name: str) -> sparsecomm.Compressor:
     return getattr(sparsecomm, match.group(1))(float(match.group(2)))
 
 
+def shared_moment_like(adamw: torch.optim.Optimizer, name: str) -> sparsecomm.SharedMomentAdamW:
+    """A ``/shared`` row's optimizer: SharedMomentAdamW with ``adamw``'s settings."""
+    if not isinstance(adamw, torch.optim.AdamW):
+        raise SystemExit(f"{name!r}: /shared replaces AdamW, and this model's optimizer is not")
+    group = adamw.param_groups[0]
+    settings = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+    return sparsecomm.SharedMomentAdamW(group["params"], **settings)
+
+
 def is_sparsecomm(name: str) -> bool:
     return name not in ("none", "DDP", "DDP+fp16") and not name.startswith("ddp+sc-")
 
@@ -293,6 +305,7 @@ def build_row(name: str, workload: Workload, device) -> Built:
     numel = sum(p.numel() for p in model.parameters())
     module = model
     sent_bytes: Callable[[], int | None] = lambda: 0  # noqa: E731
+    sent: list[int] | None = None  # a /shared row's bytes of each step
     if name in ("DDP", "DDP+fp16") or name.startswith("ddp+sc-"):
         # DDP's own default, 25 MiB; a hook row's /cap<MiB> sets DDP's bucket_cap_mb
         cap = knob_cap(split_options(name)[1], default=25)
@@ -324,22 +337,34 @@ def build_row(name: str, workload: Workload, device) -> Built:
         # Built before the first backward: the exchange may run in backward hooks.
         _, knobs = split_options(name)
         cap = knob_cap(knobs, default=None)
+        inner = workload.make_optimizer(list(model.parameters()))
+        if "shared" in knobs:
+            inner = shared_moment_like(inner, name)
+        exchange = "local_updates" if "local" in knobs else "gradients"
         optimizer = sparsecomm.CompressedOptimizer(
-            workload.make_optimizer(list(model.parameters())),
+            inner,
             make_compressor(name),
             cuda_graphs="nographs" not in knobs,
             bucket_cap_mb=cap,  # None: the library default
+            exchange="updates" if "updates" in knobs else exchange,
         )
         optimizer._engine.side_stream = "stream" in knobs
         if "noadopt" in knobs:
             for bucket in optimizer._engine.buckets:
                 bucket.adopts = False
-        sent_bytes = lambda: optimizer.last_stats.bytes_sent  # noqa: E731
+        if "shared" in knobs:  # every refresh_every-th step also sends the refresh: the mean
+            sent = []
+            sent_bytes = lambda: sum(sent) // len(sent) if sent else 0  # noqa: E731
+        else:
+            sent = None
+            sent_bytes = lambda: optimizer.last_stats.bytes_sent  # noqa: E731
 
     def step():
         workload.loss(module).backward()
         optimizer.step()
         optimizer.zero_grad()
+        if sent is not None:
+            sent.append(optimizer.last_stats.bytes_sent)
 
     return Built(step, numel, sent_bytes, optimizer, [module, model, optimizer])
 

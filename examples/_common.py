@@ -111,9 +111,9 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
     add(
         "--refresh-every",
         type=int,
-        default=10,
+        default=None,
         help="with --optimizer shared-moment-adamw: steps between refreshes of the shared "
-        "second moment (each all-reduces the gradients in bfloat16)",
+        "second moment (each all-reduces the gradients in bfloat16; default 10)",
     )
     add("--lr", type=float, default=0.05, help="peak learning rate")
     add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
@@ -207,7 +207,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             "--optimizer shared-moment-adamw shares a second moment between ranks that step "
             "on their own gradients: it needs --exchange local_updates or updates"
         )
-    if args.refresh_every < 1:
+    if args.refresh_every is not None and args.optimizer != "shared-moment-adamw":
+        parser.error(
+            "--refresh-every sets how often SharedMomentAdamW refreshes its shared second "
+            "moment: it needs --optimizer shared-moment-adamw"
+        )
+    if args.refresh_every is not None and args.refresh_every < 1:
         parser.error(f"--refresh-every must be >= 1, got {args.refresh_every}")
     if args.select == "adam" and (args.optimizer == "sgd" or args.exchange != "gradients"):
         parser.error(
@@ -281,7 +286,7 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
             model.parameters(),
             lr=args.lr,
             weight_decay=args.weight_decay,
-            refresh_every=args.refresh_every,
+            **({} if args.refresh_every is None else {"refresh_every": args.refresh_every}),
         )
     else:
         adamw = torch.optim.AdamW if args.optimizer == "adamw" else sparsecomm.CatchUpAdamW

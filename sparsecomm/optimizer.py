@@ -241,6 +241,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.bucket_cap_mb is None:
             self.bucket_cap_mb = default_bucket_cap_mb(compressor, params)
         self._frozen = _frozen_positions(params)
+        # Per parameter, whether any rank had its gradient at this step's agreement (the
+        # update exchanges with SharedMomentAdamW: _agree_gradients_finite).
+        self._used_anywhere: list[bool] = []
         for param in self._params:
             self._comm.broadcast_from_first_(param.data)
         self._engine = self._build_engine()
@@ -597,11 +600,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self.world_size > 1 and bool(self.optimizer.average_gradient_due())
 
     def _share_average_gradient(self) -> int:
-        """Hand the wrapped optimizer the sum over the ranks of every gradient (zeros for
-        one this rank lacks), in its ``average_dtype``, by one all-reduce: when
-        :meth:`_refresh_due` said so, on every rank alike. Returns the bytes sent."""
-        frozen = set(self._frozen)
-        params = [p for i, p in enumerate(self._params) if i not in frozen]
+        """Hand the wrapped optimizer the sum over the ranks of every gradient that some
+        rank has (zeros for one this rank lacks), in its ``average_dtype``, by one
+        all-reduce: when :meth:`_refresh_due` said so, on every rank alike. A parameter no
+        rank has a gradient for (unused this step, or frozen) is left out, as AdamW leaves
+        its moments alone. Returns the bytes sent."""
+        used = self._used_anywhere  # the ranks' agreement of this step says
+        params = [p for p, anywhere in zip(self._params, used) if anywhere]
         if not params:
             return 0
         # One buffer, each gradient cast into its view in one pass (no per-gradient copy to
@@ -686,11 +691,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """``exchange="updates"``: one all-reduce of a flag per rank (2: it dropped the
         step, 1: a gradient holds NaN or Inf, 0: neither), before the wrapped optimizer
         steps, and of whether its optimizer wants the averaged gradient (``due``; None: it
-        never does). Returns the step's refusal or None."""
+        never does) and, then, of which parameters have a gradient on any rank (kept in
+        ``_used_anywhere`` for :meth:`_share_average_gradient`). Returns the step's refusal
+        or None."""
         device = self._engine.device
         flags = torch.zeros(2 * self.world_size, device=device)
         if due:
             flags[self.world_size + self.rank] = 1.0
+        if due is not None:  # and which parameters have a gradient on some rank
+            has_grad = [float(p.grad is not None) for p in self._params]
+            flags = torch.cat([flags, torch.tensor(has_grad).to(device)])
         params = [p for p in self._params if p.grad is not None]
         if dropped:
             flags[self.rank] = 2.0
@@ -705,7 +715,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._comm.distributed:
             flags = self._comm.all_reduce_(flags, op="max")
         values = flags.tolist()
-        values, dues = values[: self.world_size], values[self.world_size :]
+        self._used_anywhere = [bool(flag) for flag in values[2 * self.world_size :]]
+        values, dues = values[: self.world_size], values[self.world_size : 2 * self.world_size]
         if due is not None and len(set(dues)) > 1:
             return RuntimeError(
                 "the ranks' SharedMomentAdamW disagree on whether this step refreshes the "

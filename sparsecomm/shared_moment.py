@@ -214,19 +214,28 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         # The denominator sqrt(max(shared / weight, v / (c2 W))) with one division: the
         # larger of shared * (c2 W / weight) and v, over c2 W (c2: the bias correction).
         # Without the shared moment (one rank, none taken in yet): sqrt(v / c2).
-        scales, denoms = [], []
-        for state, exp_avg_sq in zip(states, exp_avg_sqs):
+        # Foreach launches over the tensors with a shared moment, and over those without.
+        denoms: list[torch.Tensor | None] = [None] * len(states)
+        scales, with_shared = [], []
+        for i, state in enumerate(states):
             correction2 = 1.0 - beta2 ** state["step"]
-            weight = state["shared_weight"]
-            if weight > 0.0 and self.world_size > 1:
-                scale = correction2 * self.world_size
-                denom = torch.mul(state["shared_exp_avg_sq"], scale / weight)
-                torch.maximum(denom, exp_avg_sq, out=denom)
-            else:
-                scale = correction2
-                denom = exp_avg_sq.clone()
-            scales.append(scale)
-            denoms.append(denom)
+            if state["shared_weight"] > 0.0 and self.world_size > 1:
+                with_shared.append(i)
+                correction2 *= self.world_size
+            scales.append(correction2)
+        if with_shared:
+            found = torch._foreach_mul(
+                [states[i]["shared_exp_avg_sq"] for i in with_shared],
+                [scales[i] / states[i]["shared_weight"] for i in with_shared],
+            )
+            torch._foreach_maximum_(found, [exp_avg_sqs[i] for i in with_shared])
+            for i, denom in zip(with_shared, found):
+                denoms[i] = denom
+        without = [i for i, denom in enumerate(denoms) if denom is None]
+        if without:
+            copies = torch._foreach_mul([exp_avg_sqs[i] for i in without], 1.0)  # v's bits
+            for i, denom in zip(without, copies):
+                denoms[i] = denom
         torch._foreach_div_(denoms, scales)
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)

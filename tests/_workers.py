@@ -233,6 +233,44 @@ def shared_moment(rank, world_size, steps, refresh_every, average_dtype=torch.fl
     return flat_params(model), sent, moments, refreshed, averages
 
 
+def shared_moment_unused(rank, world_size):
+    """SharedMomentAdamW with a refresh every step around a model of three linear maps:
+    ``always`` used by every rank at every step, ``first`` only at step 0, ``second`` at
+    step 1 by rank 1 alone. Returns, after each of the two steps, each map's weight's
+    shared state (``shared_exp_avg_sq``, ``shared_weight``, ``shared_at``) and the bytes
+    sent, and rank 1's gradient of ``second`` at step 1."""
+    torch.manual_seed(0)
+    maps = torch.nn.ModuleDict(
+        {name: torch.nn.Linear(4, 4, bias=False) for name in ("always", "first", "second")}
+    )
+    inner = sparsecomm.SharedMomentAdamW(
+        maps.parameters(), lr=1e-2, refresh_every=1, average_dtype=torch.float32
+    )
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.Dense(), exchange="updates")
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    states, sent, second_grad = [], [], None
+    for step in range(2):
+        used = ["always"] + (["first"] if step == 0 else ["second"] if rank == 1 else [])
+        sum(maps[name](x).square().sum() for name in used).backward()
+        if step == 1 and rank == 1:
+            second_grad = maps["second"].weight.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        sent.append(opt.last_stats.bytes_sent)
+        states.append(
+            {
+                name: {
+                    key: (value.clone() if torch.is_tensor(value) else value)
+                    for key, value in inner.state[maps[name].weight].items()
+                    if key.startswith("shared")
+                }
+                for name in maps
+                if inner.state[maps[name].weight]
+            }
+        )
+    return states, sent, second_grad
+
+
 def shared_moment_step(model, opt, step, device="cpu"):
     """One step of a SharedMomentAdamW ``opt`` alone, as its wrapper would drive it on 2
     ranks: the world size said, a refresh when due (seeded random sums), then rank 0's

@@ -6,6 +6,7 @@ Each torchrun launch costs ~5-15 s on 2 CPU cores (imports, rendezvous), so runs
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import sparsecomm
 
 pytest.importorskip(
     "sklearn", reason="the digits example needs scikit-learn: pip install scikit-learn"
@@ -417,6 +420,8 @@ def test_select_adam_needs_an_adam_optimizer_and_gradients():
         ["--select", "adam", "--optimizer", "adamw", "--compressor", "dense"],
         ["--density-warmup", "5", "--density-warmup-start", "0"],
         ["--density-warmup", "5", "--density-warmup-start", "-1"],
+        ["--optimizer", "adamw", "--exchange", "updates", "--refresh-every", "5"],
+        ["--optimizer", "shared-moment-adamw", "--exchange", "updates", "--refresh-every", "0"],
     ],
 )
 def test_flags_that_would_do_nothing_are_refused(flags):
@@ -424,3 +429,13 @@ def test_flags_that_would_do_nothing_are_refused(flags):
     parser = common.make_parser("test")
     with pytest.raises(SystemExit):
         common.check_args(parser, parser.parse_args(flags))
+
+
+def test_refresh_every_defaults_to_the_optimizers_own():
+    common = _common()
+    parser = common.make_parser("test")
+    args = parser.parse_args(["--optimizer", "shared-moment-adamw", "--exchange", "updates"])
+    common.check_args(parser, args)
+    optimizer = common.make_optimizer(args, torch.nn.Linear(3, 2))
+    default = inspect.signature(sparsecomm.SharedMomentAdamW).parameters["refresh_every"].default
+    assert optimizer.optimizer.refresh_every == default

@@ -322,3 +322,30 @@ def test_the_batched_step_of_cuda_gives_the_per_tensor_step_s_bits(monkeypatch):
             _workers.shared_moment_step(model, opt, step)
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_refresh_leaves_out_what_no_rank_has_a_gradient_for():
+    """As AdamW leaves a parameter without a gradient alone, a refresh leaves the shared
+    moment of one that no rank used this step as it was, and sends nothing for it; one
+    that a single rank used takes in that rank's gradient over the number of ranks."""
+    (states, sent, _), (states_1, sent_1, second_grad) = run_ranks(_workers.shared_moment_unused, 2)
+    assert sent == sent_1
+    for mine, theirs in zip(states, states_1):  # the same bits on both ranks
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            for key, value in mine[name].items():
+                other = theirs[name][key]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    first_then, first_now = states[0]["first"], states[1]["first"]
+    assert first_now["shared_at"] == first_then["shared_at"] == 1
+    assert first_now["shared_weight"] == first_then["shared_weight"]
+    assert torch.equal(first_now["shared_exp_avg_sq"], first_then["shared_exp_avg_sq"])
+    assert states[1]["always"]["shared_at"] == 2
+    second = states[1]["second"]  # first refreshed at step 2, by rank 1's gradient alone
+    assert second["shared_at"] == 2
+    torch.testing.assert_close(
+        second["shared_exp_avg_sq"] / second["shared_weight"], (second_grad / 2).square()
+    )
+    # Each step: Dense() sends the three weights' updates (4 bytes an element), and the
+    # refresh the two weights some rank used (4 bytes an element in float32), not three.
+    assert sent == [4 * 16 * 3 + 4 * 16 * 2] * 2
