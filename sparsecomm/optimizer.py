@@ -569,9 +569,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         shared_bytes = self._share_average_gradient() if due else 0
         before = self._copies_before_step(params)
         self.optimizer.step()
-        for param, old in zip(params, before):
-            torch.sub(old, param, out=param.grad)  # the update, as a gradient: old - new
-            param.copy_(old)
+        _update_as_gradient(params, before)
         self._synchronize(grad_scaler=None)
         self._step_stats.bytes_sent += shared_bytes
         if self._refusal is not None:  # finite gradients, an update that is not: not applied
@@ -579,14 +577,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._finish_step(skipped=True)
             raise refusal
         self._finish_step(skipped=False)
+        pairs = [(param, param.grad) for param in self._params if param.grad is not None]
         if self._shared is None:
-            for param in self._params:
-                if param.grad is not None:
-                    param.sub_(param.grad)
+            _foreach_sub_([param for param, _ in pairs], [average for _, average in pairs])
             return
-        for param, shared in zip(self._params, self._shared):
-            if param.grad is not None:
-                shared.sub_(param.grad.to(shared.dtype))
+        shared = dict(zip(self._params, self._shared))
+        _foreach_sub_([shared[param] for param, _ in pairs], [average for _, average in pairs])
         self._write_local()
 
     def _refresh_due(self) -> bool | None:
@@ -648,13 +644,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _write_local(self) -> None:
         """``exchange="local_updates"``: this rank's parameters are the shared ones plus
         the update it has not sent yet (its residual holds ``-update``, a gradient's sign)."""
-        residuals = dict(self._residual_views())
-        for position, (param, shared) in enumerate(zip(self._params, self._shared)):
-            residual = residuals.get(position)
-            if residual is None:
-                param.copy_(shared)
-            else:
-                torch.sub(shared, residual.to(shared.dtype), out=param.data)
+        params = [param.detach() for param in self._params]
+        torch._foreach_copy_(params, self._shared)
+        views = self._residual_views()
+        _foreach_sub_([params[position] for position, _ in views], [view for _, view in views])
 
     def _residual_views(self) -> list[tuple[int, torch.Tensor]]:
         """(position, residual view) of every parameter whose bucket keeps a residual."""
@@ -708,10 +701,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # Each gradient's least and greatest element (NaN propagates into both, an
             # infinity is one of them): one pass without an n-element temporary, where
             # isfinite(grad).all() writes a bool per element (14x slower on a CPU).
-            ends = [torch.stack(torch.aminmax(p.grad)) for p in params if p.grad.numel()]
-            if ends:
-                finite = torch.isfinite(torch.cat(ends).to(device)).all()
-                flags[self.rank] = (~finite).float()
+            # Each gradient's largest magnitude, NaN where it holds one (the inf norm
+            # propagates NaN): one foreach launch, no n-element temporary, where
+            # isfinite(grad).all() writes a bool per element (14x slower on a CPU).
+            grads = [p.grad for p in params if p.grad.numel()]
+            if grads:
+                largest = torch.stack(torch._foreach_norm(grads, float("inf")))
+                flags[self.rank] = (~torch.isfinite(largest).all()).float().to(device)
         if self._comm.distributed:
             flags = self._comm.all_reduce_(flags, op="max")
         values = flags.tolist()
@@ -1676,3 +1672,31 @@ def _check_arguments(
             "compresses every parameter, the default 1024 sends small ones dense"
         )
     return None
+
+
+def _update_as_gradient(params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    """After the wrapped optimizer's step: each parameter's ``.grad`` becomes its update as
+    a gradient (``before - now``) and the parameter goes back to ``before``. On CUDA in
+    foreach launches for all of them (one more pass over the gradients than a subtraction
+    per tensor, far fewer launches); on a CPU tensor by tensor, while each is in cache."""
+    if params and params[0].is_cuda:
+        grads = [param.grad for param in params]
+        detached = [param.detach() for param in params]
+        torch._foreach_copy_(grads, before)
+        torch._foreach_sub_(grads, detached)  # the same float op as before - now
+        torch._foreach_copy_(detached, before)
+        return
+    for param, old in zip(params, before):
+        torch.sub(old, param, out=param.grad)
+        param.copy_(old)
+
+
+def _foreach_sub_(targets: list[torch.Tensor], amounts: list[torch.Tensor]) -> None:
+    """``target -= amount`` for each pair, ``amount`` rounded to its target's dtype first
+    (as ``target.sub_(amount.to(target.dtype))``); in foreach launches on CUDA."""
+    amounts = [amount.to(target.dtype) for target, amount in zip(targets, amounts)]
+    if targets and targets[0].is_cuda:
+        torch._foreach_sub_(targets, amounts)
+        return
+    for target, amount in zip(targets, amounts):
+        target.sub_(amount)

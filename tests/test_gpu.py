@@ -5,6 +5,8 @@ exactly what their references return), and ranks sharing the GPU over gloo must 
 bitwise-identical parameters.
 """
 
+import copy
+
 import _overlap_workers
 import _workers
 import pytest
@@ -453,3 +455,56 @@ def test_cuda_shared_moment_adamw_steps_as_on_the_cpu():
             _workers.shared_moment_step(model, opt, step, device)
         results.append(_workers.flat_params(model).cpu())
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exchange", ["updates", "local_updates"])
+def test_cuda_updates_conserve_the_local_update(exchange):
+    """The update exchanges on CUDA, where the update is taken and applied in foreach
+    launches: per step, sent + new residual = old residual + the update the wrapped AdamW
+    made, bit for bit, and the shared parameter moves by what was sent."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3000, device="cuda"))
+    other = torch.nn.Parameter(torch.randn(70, device="cuda"))  # a second tensor in the lists
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW([param, other], lr=1e-2), sparsecomm.TopK(0.02), exchange=exchange
+    )
+    twin = torch.nn.Parameter(torch.zeros(3000, device="cuda"))
+    twin_other = torch.nn.Parameter(torch.zeros(70, device="cuda"))
+    twin_opt = torch.optim.AdamW([twin, twin_other], lr=1e-2)
+    for _ in range(4):
+        grad = torch.randn(3000, device="cuda")
+        residual = opt.residual(param).clone()
+        with opt.shared_parameters():
+            old = param.detach().clone()
+            old_other = other.detach().clone()
+        twin_opt.load_state_dict(copy.deepcopy(opt.optimizer.state_dict()))  # no aliasing
+        with torch.no_grad():  # the wrapped AdamW steps from this rank's own parameters
+            twin.copy_(param)
+            twin_other.copy_(other)
+        twin.grad, twin_other.grad = grad.clone(), torch.ones(70, device="cuda")
+        twin_opt.step()
+        update = torch.sub(param.detach(), twin.detach())
+        ((param * grad).sum() + other.sum()).backward()
+        opt.step()
+        sent = param.grad
+        assert torch.equal(sent + opt.residual(param), residual + update)
+        with opt.shared_parameters():
+            assert torch.equal(param.detach(), old - sent)
+            assert not torch.equal(other.detach(), old_other)  # it moved too
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_cuda_updates_refuse_a_nonfinite_gradient_anywhere_in_a_large_tensor(bad):
+    """The update exchange's check before the wrapped optimizer steps (each gradient's
+    inf norm, in one foreach launch on CUDA) finds one bad element among 3e6."""
+    param = torch.nn.Parameter(torch.zeros(3_000_000, device="cuda"))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW([param], lr=1e-2), sparsecomm.TopK(0.01), exchange="updates"
+    )
+    grad = torch.randn(3_000_000, device="cuda")
+    grad[2_345_678] = bad
+    (param * grad).sum().backward()
+    with pytest.raises(sparsecomm.NonFiniteGradientError):
+        opt.step()
+    assert torch.count_nonzero(param.detach()) == 0
