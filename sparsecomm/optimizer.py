@@ -692,8 +692,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if due:
             flags[self.world_size + self.rank] = 1.0
         if due is not None:  # and which parameters have a gradient on some rank
-            has_grad = [float(p.grad is not None) for p in self._params]
-            flags = torch.cat([flags, torch.tensor(has_grad).to(device)])
+            has_grad = torch.tensor([float(p.grad is not None) for p in self._params])
+            if device.type == "cuda":
+                has_grad = has_grad.pin_memory()  # so the copy does not wait for the device
+            flags = torch.cat([flags, has_grad.to(device, non_blocking=True)])
         params = [p for p in self._params if p.grad is not None]
         if dropped:
             flags[self.rank] = 2.0

@@ -42,14 +42,20 @@ rank already steps on the average, and the wrapper refuses it.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from . import _ops
 from .catchup import _check_hyper, checked_adam_group
+from .triton_kernels import shared_moment as _kernel
 
 __all__ = ["SharedMomentAdamW"]
 
 # What torch's Optimizer.__getstate__ would drop.
 _OWN = ("refresh_every", "average_dtype", "steps", "world_size")
+# Set once the Triton kernel has failed on this machine: the torch ops step from then on.
+_kernel_failed = False
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "shared_exp_avg_sq", "shared_weight", "shared_at")
 
 
@@ -197,13 +203,62 @@ class SharedMomentAdamW(torch.optim.Optimizer):
 
     def _step_group(self, params: list[torch.Tensor], group: dict) -> None:
         """AdamW's step with the shared denominator for ``params`` (one group's, each with a
-        gradient, all on one device), in a few foreach launches for all of them: on CUDA a
-        model of many tensors then pays a dozen launches a step, not a dozen per tensor."""
+        gradient, all on one device). On CUDA one Triton launch per dtype for all of them
+        (``triton_kernels/shared_moment.py``; ``SPARSECOMM_KERNELS=torch``: the torch ops
+        below, a dozen foreach launches); on a CPU the torch ops, tensor by tensor."""
+        global _kernel_failed
         beta1, beta2 = group["betas"]
-        lr, eps = group["lr"], group["eps"]
         states = [self.state[p] for p in params]
+        # Per tensor: the step size, the denominator's scale and the shared moment's factor
+        # (0: none yet, or one rank). The denominator sqrt(max(shared / weight, v / (c2 W)))
+        # with one division: the larger of shared * (c2 W / weight) and v, over c2 W (c2:
+        # the bias correction); without the shared moment sqrt(v / c2).
+        scalars = []
         for state in states:
             state["step"] += 1
+            correction2 = 1.0 - beta2 ** state["step"]
+            weight = state["shared_weight"]
+            shared = weight > 0.0 and self.world_size > 1
+            scale = correction2 * self.world_size if shared else correction2
+            step_size = -group["lr"] / (1.0 - beta1 ** state["step"])
+            scalars.append((step_size, scale, scale / weight if shared else 0.0))
+        if _ops.use_triton(params[0]) and not _kernel_failed:
+            try:
+                self._step_kernel(params, states, scalars, group)
+                return
+            except Exception as error:  # (Triton's errors have no common type)
+                _kernel_failed = True
+                warnings.warn(
+                    f"sparsecomm.SharedMomentAdamW: its Triton kernel failed ({error!r}); "
+                    "stepping with torch ops from now on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        self._step_foreach(params, states, scalars, group)
+
+    def _step_kernel(self, params, states, scalars, group) -> None:
+        """The step in Triton launches, one per (parameter dtype, gradient dtype)."""
+        kinds: dict[tuple, list[int]] = {}
+        for i, param in enumerate(params):
+            kinds.setdefault((param.dtype, param.grad.dtype), []).append(i)
+        for members in kinds.values():
+            shared = [scalars[i][2] != 0.0 for i in members]
+            _kernel.shared_moment_adamw(
+                [params[i].detach() for i in members],
+                [params[i].grad.contiguous() for i in members],
+                [states[i]["exp_avg"] for i in members],
+                [states[i]["exp_avg_sq"] for i in members],
+                [states[i]["shared_exp_avg_sq"] if on else None for i, on in zip(members, shared)],
+                [scalars[i] for i in members],
+                betas=group["betas"],
+                eps=group["eps"],
+                decay=1.0 - group["lr"] * group["weight_decay"],
+            )
+
+    def _step_foreach(self, params, states, scalars, group) -> None:
+        """The step in torch's foreach ops (one launch each for all of ``params`` on CUDA)."""
+        beta1, beta2 = group["betas"]
+        eps = group["eps"]
         grads = [p.grad.float() for p in params]
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
@@ -211,22 +266,13 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-        # The denominator sqrt(max(shared / weight, v / (c2 W))) with one division: the
-        # larger of shared * (c2 W / weight) and v, over c2 W (c2: the bias correction).
-        # Without the shared moment (one rank, none taken in yet): sqrt(v / c2).
         # Foreach launches over the tensors with a shared moment, and over those without.
         denoms: list[torch.Tensor | None] = [None] * len(states)
-        scales, with_shared = [], []
-        for i, state in enumerate(states):
-            correction2 = 1.0 - beta2 ** state["step"]
-            if state["shared_weight"] > 0.0 and self.world_size > 1:
-                with_shared.append(i)
-                correction2 *= self.world_size
-            scales.append(correction2)
+        with_shared = [i for i, (_, _, factor) in enumerate(scalars) if factor != 0.0]
         if with_shared:
             found = torch._foreach_mul(
                 [states[i]["shared_exp_avg_sq"] for i in with_shared],
-                [scales[i] / states[i]["shared_weight"] for i in with_shared],
+                [scalars[i][2] for i in with_shared],
             )
             torch._foreach_maximum_(found, [exp_avg_sqs[i] for i in with_shared])
             for i, denom in zip(with_shared, found):
@@ -236,11 +282,11 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             copies = torch._foreach_mul([exp_avg_sqs[i] for i in without], 1.0)  # v's bits
             for i, denom in zip(without, copies):
                 denoms[i] = denom
-        torch._foreach_div_(denoms, scales)
+        torch._foreach_div_(denoms, [scale for _, scale, _ in scalars])
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
-        decay = 1.0 - lr * group["weight_decay"]
-        steps = [-lr / (1.0 - beta1 ** state["step"]) for state in states]
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        steps = [step_size for step_size, _, _ in scalars]
         full = [i for i, p in enumerate(params) if p.dtype == torch.float32]
         if full:
             mine = [params[i] for i in full]
