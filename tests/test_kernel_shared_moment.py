@@ -28,6 +28,10 @@ def trained(sizes, dtype=torch.float32, world_size=2, refreshed=3, seed=0, views
     and 3 refresh the shared moment of the first ``refreshed`` tensors. With ``views``,
     each parameter starts 1 element into a larger tensor (not on 16 bytes)."""
     gen = torch.Generator().manual_seed(seed)
+    # Each coordinate's gradient keeps its sign from step to step, so its momentum does
+    # too: no cancellation in the momentum's update, whose float32 rounding would then be
+    # a large share of a small result (and differs where the multiply-adds fuse).
+    signs = [torch.randint(0, 2, (n,), generator=gen) * 2.0 - 1.0 for n in sizes]
     params = []
     for n in sizes:
         start = torch.randn(n + 1, generator=gen).to(dtype).to(DEVICE)
@@ -39,9 +43,9 @@ def trained(sizes, dtype=torch.float32, world_size=2, refreshed=3, seed=0, views
             opt.take_average_gradient(
                 {p: torch.randn(p.shape, generator=gen).to(DEVICE) for p in params[:refreshed]}
             )
-        for p in params:
-            scale = 10.0 ** torch.randint(-6, 4, p.shape, generator=gen)
-            p.grad = (torch.randn(p.shape, generator=gen) * scale).to(dtype).to(DEVICE)
+        for p, sign in zip(params, signs):
+            scale = 10.0 ** torch.randint(-6, 4, p.shape, generator=gen) * sign
+            p.grad = (torch.randn(p.shape, generator=gen).abs() * scale).to(dtype).to(DEVICE)
         if step < 3:
             opt.step()
     return opt, params

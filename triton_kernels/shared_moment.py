@@ -42,6 +42,8 @@ def _shared_moment_adamw_kernel(
     grad_like,
     beta1,
     beta2,
+    one_minus_beta1,  # from the host, in double: 1 - beta2 in float32 would lose ~5 digits
+    one_minus_beta2,
     eps,
     decay,
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes: vectorised loads
@@ -78,8 +80,8 @@ def _shared_moment_adamw_kernel(
     # propagates).
     has_shared = (offsets * 0 + shared_address) != 0  # (a block of it: the interpreter's masks)
     s = tl.load(shared_ptr + offsets, mask=in_bounds & has_shared, other=0.0)
-    m = m * beta1 + g * (1.0 - beta1)
-    v = v * beta2 + (g * g) * (1.0 - beta2)
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + (g * g) * one_minus_beta2
     denom = tl.maximum(s * factor, v, propagate_nan=tl.PropagateNan.ALL)
     denom = tl.sqrt_rn(tl.div_rn(denom, scale)) + eps
     work = p.to(tl.float32) * decay + step_size * tl.div_rn(m, denom)
@@ -184,6 +186,8 @@ def shared_moment_adamw(
         grads[0],
         beta1,
         beta2,
+        1.0 - beta1,
+        1.0 - beta2,
         eps,
         decay,
         ALIGNED=aligned,
