@@ -223,9 +223,10 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             step_size = -group["lr"] / (1.0 - beta1 ** state["step"])
             scalars.append((step_size, scale, scale / weight if shared else 0.0))
         if _ops.use_triton(params[0]) and not _kernel_failed:
+            # (a parameter that is not contiguous, rare, steps in the torch ops instead)
+            flat = [i for i, p in enumerate(params) if p.is_contiguous()]
             try:
-                self._step_kernel(params, states, scalars, group)
-                return
+                self._step_kernel(*_pick(flat, params, states, scalars), group)
             except Exception as error:  # (Triton's errors have no common type)
                 _kernel_failed = True
                 warnings.warn(
@@ -234,6 +235,11 @@ class SharedMomentAdamW(torch.optim.Optimizer):
                     RuntimeWarning,
                     stacklevel=3,
                 )
+            else:
+                rest = sorted(set(range(len(params))) - set(flat))
+                if rest:
+                    self._step_foreach(*_pick(rest, params, states, scalars), group)
+                return
         self._step_foreach(params, states, scalars, group)
 
     def _step_kernel(self, params, states, scalars, group) -> None:
@@ -356,3 +362,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
 def _batched(params: list[torch.Tensor]) -> bool:
     """Whether ``params`` step together in foreach launches: on one CUDA device."""
     return bool(params) and params[0].is_cuda and all(p.device == params[0].device for p in params)
+
+
+def _pick(chosen: list[int], *lists: list) -> list[list]:
+    """The ``chosen`` positions of each of ``lists``."""
+    return [[items[i] for i in chosen] for items in lists]

@@ -194,3 +194,25 @@ def test_the_launcher_names_bad_arguments(change, match):
     change(args)
     with pytest.raises((TypeError, ValueError), match=match):
         kernel.shared_moment_adamw(**args, betas=(0.9, 0.999), eps=1e-8, decay=1.0)
+
+
+def test_a_parameter_that_is_not_contiguous_steps_in_the_torch_ops(monkeypatch):
+    """The kernel takes the contiguous parameters; a transposed one steps in the torch ops
+    beside them, with no warning and the kernel still in use."""
+    monkeypatch.setattr(shared_moment, "_batched", lambda params: bool(params))
+    monkeypatch.setattr(shared_moment, "_kernel_failed", False)
+    results = []
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("SPARSECOMM_KERNELS", mode)
+        gen = torch.Generator().manual_seed(0)
+        flat = torch.nn.Parameter(torch.randn(50, generator=gen).to(DEVICE))
+        turned = torch.nn.Parameter(torch.randn(6, 9, generator=gen).to(DEVICE).t())
+        opt = sparsecomm.SharedMomentAdamW([flat, turned], lr=1e-2)
+        for _ in range(2):
+            flat.grad = torch.randn(50, generator=gen).to(DEVICE)
+            turned.grad = torch.randn(9, 6, generator=gen).to(DEVICE)
+            opt.step()
+        results.append((flat.detach().clone(), turned.detach().clone()))
+    assert not shared_moment._kernel_failed
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-6, atol=1e-7)
+    assert torch.equal(results[1][1], results[0][1])  # the same torch ops
