@@ -85,7 +85,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
     moments), ``shared_exp_avg_sq`` (the shared second moment, not yet divided by
     ``shared_weight``), ``shared_weight`` (float) and ``shared_at`` (the step of its last
     refresh); the moments are float32 whatever the parameter's dtype. Parameters whose
-    ``.grad`` is None are skipped, as AdamW does.
+    ``.grad`` is None are skipped, as AdamW does, and the wrapper leaves a parameter that no
+    rank has a gradient for out of a refresh.
     """
 
     def __init__(
@@ -360,7 +361,8 @@ class SharedMomentAdamW(torch.optim.Optimizer):
 
 
 def _batched(params: list[torch.Tensor]) -> bool:
-    """Whether ``params`` step together in foreach launches: on one CUDA device."""
+    """Whether ``params`` step together (one kernel launch, or foreach launches): on one
+    CUDA device."""
     return bool(params) and params[0].is_cuda and all(p.device == params[0].device for p in params)
 
 
