@@ -643,11 +643,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _write_local(self) -> None:
         """``exchange="local_updates"``: this rank's parameters are the shared ones plus
-        the update it has not sent yet (its residual holds ``-update``, a gradient's sign)."""
+        the update it has not sent yet (its residual holds ``-update``, a gradient's sign).
+        On CUDA in foreach launches (a copy, then the subtraction); on a CPU in one pass per
+        tensor."""
         params = [param.detach() for param in self._params]
-        torch._foreach_copy_(params, self._shared)
         views = self._residual_views()
-        _foreach_sub_([params[position] for position, _ in views], [view for _, view in views])
+        if params and params[0].is_cuda:
+            torch._foreach_copy_(params, self._shared)
+            _foreach_sub_([params[i] for i, _ in views], [view for _, view in views])
+            return
+        residuals = dict(views)
+        for position, (param, shared) in enumerate(zip(params, self._shared)):
+            residual = residuals.get(position)
+            if residual is None:
+                param.copy_(shared)
+            else:
+                torch.sub(shared, residual.to(shared.dtype), out=param)
 
     def _residual_views(self) -> list[tuple[int, torch.Tensor]]:
         """(position, residual view) of every parameter whose bucket keeps a residual."""
@@ -703,13 +714,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # Each gradient's least and greatest element (NaN propagates into both, an
             # infinity is one of them): one pass without an n-element temporary, where
             # isfinite(grad).all() writes a bool per element (14x slower on a CPU).
-            # Each gradient's largest magnitude, NaN where it holds one (the inf norm
-            # propagates NaN): one foreach launch, no n-element temporary, where
-            # isfinite(grad).all() writes a bool per element (14x slower on a CPU).
+            # No n-element temporary: isfinite(grad).all() writes a bool per element (14x
+            # slower on a CPU). On CUDA each gradient's largest magnitude, NaN where it
+            # holds one (the inf norm propagates NaN), in one foreach launch; on a CPU each
+            # gradient's least and greatest element (NaN propagates into both, an infinity
+            # is one of them), 12x faster there than the CPU's inf norm.
             grads = [p.grad for p in params if p.grad.numel()]
+            if grads and grads[0].is_cuda:
+                ends = torch.stack(torch._foreach_norm(grads, float("inf")))
+            elif grads:
+                ends = torch.cat([torch.stack(torch.aminmax(grad)) for grad in grads])
             if grads:
-                largest = torch.stack(torch._foreach_norm(grads, float("inf")))
-                flags[self.rank] = (~torch.isfinite(largest).all()).float().to(device)
+                flags[self.rank] = (~torch.isfinite(ends).all()).float().to(device)
         if self._comm.distributed:
             flags = self._comm.all_reduce_(flags, op="max")
         values = flags.tolist()
