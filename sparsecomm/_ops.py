@@ -10,6 +10,7 @@ the kernels (on CPU tensors they need ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -34,6 +35,29 @@ def _mode() -> str:
 def use_triton(tensor: torch.Tensor) -> bool:
     mode = _mode()
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
+
+
+class KernelSwitch:
+    """An optimizer's Triton kernel, standing in for its torch ops where :func:`use_triton`
+    picks it, until it first fails on this machine (it did not compile here, say): then one
+    warning, and the torch ops from then on."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        #: Set once the kernel has failed.
+        self.failed = False
+
+    def wanted(self, tensor: torch.Tensor) -> bool:
+        return use_triton(tensor) and not self.failed
+
+    def fail(self, error: Exception) -> None:
+        self.failed = True
+        warnings.warn(
+            f"sparsecomm.{self.owner}: its Triton kernel failed ({error!r}); stepping with "
+            "torch ops from now on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _pick(tensor: torch.Tensor, kernel, cpu, ref):

@@ -40,7 +40,6 @@ quality with AdamW").
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -51,8 +50,8 @@ from .triton_kernels._cpu import CHUNK
 
 __all__ = ["CatchUpAdamW"]
 
-#: Set once the Triton kernel failed (it did not compile here): torch ops from then on.
-_kernel_failed = False
+# The Triton kernel, until it fails here: torch ops from then on.
+_KERNEL = _ops.KernelSwitch("CatchUpAdamW")
 
 #: ``momenta_terms(beta1)``: steps after a coordinate's previous receipt whose bias
 #: corrections enter its momenta term by term, for a coordinate last received before that
@@ -233,8 +232,7 @@ def catch_up_adamw_(
     are fewer than half (behind ``TopK``, most steps): the catch-up's arithmetic, two
     exponentials per coordinate among it, then costs in proportion to what was sent; else
     over every coordinate, in chunks."""
-    global _kernel_failed
-    if _ops.use_triton(param) and not _kernel_failed and min(betas) > 0 and param.is_contiguous():
+    if _KERNEL.wanted(param) and min(betas) > 0 and param.is_contiguous():
         try:
             _kernel.catch_up_adamw(
                 param, grad.contiguous(), exp_avg, exp_avg_sq, last_step, step=step, lr=lr,
@@ -242,13 +240,7 @@ def catch_up_adamw_(
             )  # fmt: skip
             return
         except Exception as error:  # (Triton's errors have no common type)
-            _kernel_failed = True
-            warnings.warn(
-                f"sparsecomm.CatchUpAdamW: its Triton kernel failed ({error!r}); stepping "
-                "with torch ops from now on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            _KERNEL.fail(error)
     in_place = param.dtype == torch.float32 and param.is_contiguous()
     work = param if in_place else param.float().contiguous()
     flat = [t.detach().view(-1) for t in (work, exp_avg, exp_avg_sq, last_step)]

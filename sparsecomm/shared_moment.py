@@ -42,8 +42,6 @@ rank already steps on the average, and the wrapper refuses it.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from . import _ops
@@ -54,8 +52,8 @@ __all__ = ["SharedMomentAdamW"]
 
 # What torch's Optimizer.__getstate__ would drop.
 _OWN = ("refresh_every", "average_dtype", "steps", "world_size")
-# Set once the Triton kernel has failed on this machine: the torch ops step from then on.
-_kernel_failed = False
+# The Triton kernel, until it fails here: torch ops from then on.
+_KERNEL = _ops.KernelSwitch("SharedMomentAdamW")
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "shared_exp_avg_sq", "shared_weight", "shared_at")
 
 
@@ -207,7 +205,6 @@ class SharedMomentAdamW(torch.optim.Optimizer):
         gradient, all on one device). On CUDA one Triton launch per dtype for all of them
         (``triton_kernels/shared_moment.py``; ``SPARSECOMM_KERNELS=torch``: the torch ops
         below, a dozen foreach launches); on a CPU the torch ops, tensor by tensor."""
-        global _kernel_failed
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
         # Per tensor: the step size, the denominator's scale and the shared moment's factor
@@ -223,19 +220,13 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             scale = correction2 * self.world_size if shared else correction2
             step_size = -group["lr"] / (1.0 - beta1 ** state["step"])
             scalars.append((step_size, scale, scale / weight if shared else 0.0))
-        if _ops.use_triton(params[0]) and not _kernel_failed:
+        if _KERNEL.wanted(params[0]):
             # (a parameter that is not contiguous, rare, steps in the torch ops instead)
             flat = [i for i, p in enumerate(params) if p.is_contiguous()]
             try:
                 self._step_kernel(*_pick(flat, params, states, scalars), group)
             except Exception as error:  # (Triton's errors have no common type)
-                _kernel_failed = True
-                warnings.warn(
-                    f"sparsecomm.SharedMomentAdamW: its Triton kernel failed ({error!r}); "
-                    "stepping with torch ops from now on",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                _KERNEL.fail(error)
             else:
                 rest = sorted(set(range(len(params))) - set(flat))
                 if rest:

@@ -116,7 +116,7 @@ def test_the_optimizer_runs_the_kernel_where_triton_is_picked(monkeypatch):
 
 
 def test_a_failing_kernel_falls_back_to_torch_with_a_warning(monkeypatch):
-    monkeypatch.setattr(catchup, "_kernel_failed", False)
+    monkeypatch.setattr(catchup._KERNEL, "failed", False)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -131,7 +131,7 @@ def test_a_failing_kernel_falls_back_to_torch_with_a_warning(monkeypatch):
     param.grad = grad.clone()
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         opt.step()
-    assert catchup._kernel_failed
+    assert catchup._KERNEL.failed
     monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
     expected = start.clone().requires_grad_(True)
     reference = sparsecomm.CatchUpAdamW([expected], lr=1e-2)

@@ -68,7 +68,7 @@ def both(sizes, monkeypatch, **kwargs):
                 [s["exp_avg_sq"] for s in states],
             )
         )
-    assert not shared_moment._kernel_failed
+    assert not shared_moment._KERNEL.failed
     return out
 
 
@@ -107,7 +107,7 @@ def test_signed_zeros_nan_and_a_coordinate_without_any_moment(monkeypatch):
         state = opt.state[param]
         results.append((param.detach().clone(), state["exp_avg"], state["exp_avg_sq"]))
     (p0, m0, v0), (p1, m1, v1) = results
-    assert not shared_moment._kernel_failed
+    assert not shared_moment._KERNEL.failed
     decayed = torch.full((2,), 1.0 - 1e-3, device=DEVICE)
     assert torch.equal(p1[:2], decayed) and torch.equal(p0[:2], decayed)
     assert p1[2].isnan() and m1[2].isnan() and v1[2].isnan() and p0[2].isnan()
@@ -148,7 +148,7 @@ def test_the_optimizer_runs_the_kernel_where_triton_is_picked(monkeypatch):
 
 
 def test_a_failing_kernel_falls_back_to_torch_with_a_warning(monkeypatch):
-    monkeypatch.setattr(shared_moment, "_kernel_failed", False)
+    monkeypatch.setattr(shared_moment._KERNEL, "failed", False)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -162,7 +162,7 @@ def test_a_failing_kernel_falls_back_to_torch_with_a_warning(monkeypatch):
     param.grad = grad.clone()
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         opt.step()
-    assert shared_moment._kernel_failed
+    assert shared_moment._KERNEL.failed
     monkeypatch.setenv("SPARSECOMM_KERNELS", "torch")
     expected = start.clone().requires_grad_(True)
     reference = sparsecomm.SharedMomentAdamW([expected], lr=1e-2)
@@ -200,7 +200,7 @@ def test_a_parameter_that_is_not_contiguous_steps_in_the_torch_ops(monkeypatch):
     """The kernel takes the contiguous parameters; a transposed one steps in the torch ops
     beside them, with no warning and the kernel still in use."""
     monkeypatch.setattr(shared_moment, "_batched", lambda params: bool(params))
-    monkeypatch.setattr(shared_moment, "_kernel_failed", False)
+    monkeypatch.setattr(shared_moment._KERNEL, "failed", False)
     results = []
     for mode in ("torch", "triton"):
         monkeypatch.setenv("SPARSECOMM_KERNELS", mode)
@@ -213,6 +213,6 @@ def test_a_parameter_that_is_not_contiguous_steps_in_the_torch_ops(monkeypatch):
             turned.grad = torch.randn(9, 6, generator=gen).to(DEVICE)
             opt.step()
         results.append((flat.detach().clone(), turned.detach().clone()))
-    assert not shared_moment._kernel_failed
+    assert not shared_moment._KERNEL.failed
     torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-6, atol=1e-7)
     assert torch.equal(results[1][1], results[0][1])  # the same torch ops
