@@ -341,12 +341,13 @@ def build_row(name: str, workload: Workload, device) -> Built:
         if "shared" in knobs:
             inner = shared_moment_like(inner, name)
         exchange = "local_updates" if "local" in knobs else "gradients"
+        exchange = "updates" if "updates" in knobs else exchange
         optimizer = sparsecomm.CompressedOptimizer(
             inner,
             make_compressor(name),
             cuda_graphs="nographs" not in knobs,
             bucket_cap_mb=cap,  # None: the library default
-            exchange="updates" if "updates" in knobs else exchange,
+            exchange=exchange,
         )
         optimizer._engine.side_stream = "stream" in knobs
         if "noadopt" in knobs:
@@ -356,7 +357,6 @@ def build_row(name: str, workload: Workload, device) -> Built:
             sent = []
             sent_bytes = lambda: sum(sent) // len(sent) if sent else 0  # noqa: E731
         else:
-            sent = None
             sent_bytes = lambda: optimizer.last_stats.bytes_sent  # noqa: E731
 
     def step():

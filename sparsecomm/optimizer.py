@@ -711,9 +711,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if dropped:
             flags[self.rank] = 2.0
         elif params:  # one flag on the device, then the step's one extra host sync
-            # Each gradient's least and greatest element (NaN propagates into both, an
-            # infinity is one of them): one pass without an n-element temporary, where
-            # isfinite(grad).all() writes a bool per element (14x slower on a CPU).
             # No n-element temporary: isfinite(grad).all() writes a bool per element (14x
             # slower on a CPU). On CUDA each gradient's largest magnitude, NaN where it
             # holds one (the inf norm propagates NaN), in one foreach launch; on a CPU each

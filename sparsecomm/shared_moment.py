@@ -220,38 +220,45 @@ class SharedMomentAdamW(torch.optim.Optimizer):
             scale = correction2 * self.world_size if shared else correction2
             step_size = -group["lr"] / (1.0 - beta1 ** state["step"])
             scalars.append((step_size, scale, scale / weight if shared else 0.0))
+        rest = range(len(params))
         if _KERNEL.wanted(params[0]):
-            # (a parameter that is not contiguous, rare, steps in the torch ops instead)
-            flat = [i for i, p in enumerate(params) if p.is_contiguous()]
+            rest = self._step_kernel(params, states, scalars, group)
+        if rest:
+            self._step_foreach(*_pick(rest, params, states, scalars), group)
+
+    def _step_kernel(self, params, states, scalars, group) -> list[int]:
+        """The step in Triton launches, one per (parameter dtype, gradient dtype). Returns
+        the positions left to the torch ops: a parameter that is not contiguous (rare), and
+        every one not yet stepped once a launch has failed."""
+        kinds: dict[tuple, list[int]] = {}
+        rest = []
+        for i, param in enumerate(params):
+            if param.is_contiguous():
+                kinds.setdefault((param.dtype, param.grad.dtype), []).append(i)
+            else:
+                rest.append(i)
+        for members in kinds.values():
+            if _KERNEL.failed:
+                rest += members
+                continue
+            # (a factor of 0: no shared moment in use for that tensor)
+            shareds = [states[i]["shared_exp_avg_sq"] if scalars[i][2] else None for i in members]
             try:
-                self._step_kernel(*_pick(flat, params, states, scalars), group)
+                _kernel.shared_moment_adamw(
+                    [params[i].detach() for i in members],
+                    [params[i].grad.contiguous() for i in members],
+                    [states[i]["exp_avg"] for i in members],
+                    [states[i]["exp_avg_sq"] for i in members],
+                    shareds,
+                    [scalars[i] for i in members],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                    decay=1.0 - group["lr"] * group["weight_decay"],
+                )
             except Exception as error:  # (Triton's errors have no common type)
                 _KERNEL.fail(error)
-            else:
-                rest = sorted(set(range(len(params))) - set(flat))
-                if rest:
-                    self._step_foreach(*_pick(rest, params, states, scalars), group)
-                return
-        self._step_foreach(params, states, scalars, group)
-
-    def _step_kernel(self, params, states, scalars, group) -> None:
-        """The step in Triton launches, one per (parameter dtype, gradient dtype)."""
-        kinds: dict[tuple, list[int]] = {}
-        for i, param in enumerate(params):
-            kinds.setdefault((param.dtype, param.grad.dtype), []).append(i)
-        for members in kinds.values():
-            shared = [scalars[i][2] != 0.0 for i in members]
-            _kernel.shared_moment_adamw(
-                [params[i].detach() for i in members],
-                [params[i].grad.contiguous() for i in members],
-                [states[i]["exp_avg"] for i in members],
-                [states[i]["exp_avg_sq"] for i in members],
-                [states[i]["shared_exp_avg_sq"] if on else None for i, on in zip(members, shared)],
-                [scalars[i] for i in members],
-                betas=group["betas"],
-                eps=group["eps"],
-                decay=1.0 - group["lr"] * group["weight_decay"],
-            )
+                rest += members
+        return sorted(rest)
 
     def _step_foreach(self, params, states, scalars, group) -> None:
         """The step in torch's foreach ops (one launch each for all of ``params`` on CUDA)."""

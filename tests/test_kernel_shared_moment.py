@@ -216,3 +216,40 @@ def test_a_parameter_that_is_not_contiguous_steps_in_the_torch_ops(monkeypatch):
     assert not shared_moment._KERNEL.failed
     torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-6, atol=1e-7)
     assert torch.equal(results[1][1], results[0][1])  # the same torch ops
+
+
+def test_a_launch_that_fails_after_another_succeeded_steps_each_parameter_once(monkeypatch):
+    """The float32 parameters' launch runs, the bfloat16 ones' fails: those step in the
+    torch ops, and none twice (the same parameters and moments as the torch ops alone)."""
+    monkeypatch.setattr(shared_moment, "_batched", lambda params: bool(params))
+    monkeypatch.setattr(shared_moment._KERNEL, "failed", False)
+    real = kernel.shared_moment_adamw
+
+    def second_fails(params, *args, **kwargs):
+        if params[0].dtype != torch.float32:
+            raise RuntimeError("no bfloat16 here")
+        return real(params, *args, **kwargs)
+
+    results = []
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("SPARSECOMM_KERNELS", mode)
+        monkeypatch.setattr(kernel, "shared_moment_adamw", second_fails)
+        gen = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(300, generator=gen).to(DEVICE)),
+            torch.nn.Parameter(torch.randn(40, generator=gen).to(torch.bfloat16).to(DEVICE)),
+        ]
+        opt = sparsecomm.SharedMomentAdamW(params, lr=1e-2)
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=gen).to(param.dtype).to(DEVICE)
+        if mode == "triton":
+            with pytest.warns(RuntimeWarning, match="no bfloat16 here"):
+                opt.step()
+        else:
+            opt.step()
+        assert [opt.state[p]["step"] for p in params] == [1, 1]
+        results.append([t.detach().clone() for p in params for t in (p, opt.state[p]["exp_avg"])])
+    assert shared_moment._KERNEL.failed
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=0.0)
+    assert torch.equal(results[1][2], results[0][2]) and torch.equal(results[1][3], results[0][3])

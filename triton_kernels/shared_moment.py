@@ -22,20 +22,20 @@ BLOCK_SIZE = 2048  # elements per program; an elementwise pass, 8 per thread wit
 NUM_WARPS = 8
 # Columns of the address table: the parameter, its gradient, exp_avg, exp_avg_sq and the
 # shared moment (0: none, then the rank's own second moment alone is the denominator's).
-PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, SHARED = range(5)
-COLUMNS = 5
+PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, SHARED = (tl.constexpr(i) for i in range(5))
+COLUMNS = tl.constexpr(5)
 # Columns of the per-tensor scalars: the step size (-lr / bias correction 1), the
 # denominator's scale (bias correction 2, times W with the shared moment) and the shared
 # moment's factor (that scale over the shared moment's weight; 0 without one).
-STEP_SIZE, SCALE, FACTOR = range(3)
-SCALARS = 3
+STEP_SIZE, SCALE, FACTOR = (tl.constexpr(i) for i in range(3))
+SCALARS = tl.constexpr(3)
 
 
 @triton.jit
 def _shared_moment_adamw_kernel(
     addresses_ptr,  # int64 [T, COLUMNS]
     scalars_ptr,  # float32 [T, SCALARS]
-    numels_ptr,  # int64 [T]
+    numels_ptr,  # int64 [T], kept with the two below (a model's sizes do not change)
     first_block_ptr,  # int32 [T]: the first program of each tensor
     block_tensor_ptr,  # int32 [programs]: each program's tensor
     param_like,  # the first parameter and gradient: their pointer types, for the others'
@@ -55,12 +55,12 @@ def _shared_moment_adamw_kernel(
     n = tl.load(numels_ptr + t)
     offsets = block.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     in_bounds = offsets < n
-    row = addresses_ptr + t * 5
-    param_ptr = tl.load(row + 0).to(param_like.dtype)
-    grad_ptr = tl.load(row + 1).to(grad_like.dtype)
-    avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    shared_address = tl.load(row + 4)
+    row = addresses_ptr + t * COLUMNS
+    param_ptr = tl.load(row + PARAM).to(param_like.dtype)
+    grad_ptr = tl.load(row + GRAD).to(grad_like.dtype)
+    avg_ptr = tl.load(row + EXP_AVG).to(tl.pointer_type(tl.float32))
+    avg_sq_ptr = tl.load(row + EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
+    shared_address = tl.load(row + SHARED)
     shared_ptr = shared_address.to(tl.pointer_type(tl.float32))
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
@@ -68,9 +68,9 @@ def _shared_moment_adamw_kernel(
         avg_ptr = tl.multiple_of(avg_ptr, 16)
         avg_sq_ptr = tl.multiple_of(avg_sq_ptr, 16)
         shared_ptr = tl.multiple_of(shared_ptr, 16)
-    step_size = tl.load(scalars_ptr + t * 3 + 0)
-    scale = tl.load(scalars_ptr + t * 3 + 1)
-    factor = tl.load(scalars_ptr + t * 3 + 2)
+    step_size = tl.load(scalars_ptr + t * SCALARS + STEP_SIZE)
+    scale = tl.load(scalars_ptr + t * SCALARS + SCALE)
+    factor = tl.load(scalars_ptr + t * SCALARS + FACTOR)
 
     g = tl.load(grad_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
@@ -91,12 +91,14 @@ def _shared_moment_adamw_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _blocks(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first program of each tensor, each program's tensor) for tensors of ``numels``."""
+def _blocks(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(the sizes, the first program of each tensor, each program's tensor) for tensors of
+    ``numels``, on ``device``."""
     counts = torch.tensor([triton.cdiv(n, BLOCK_SIZE) for n in numels], dtype=torch.int64)
     first = torch.cumsum(counts, 0) - counts
     owner = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    return first.to(torch.int32).to(device), owner.to(torch.int32).to(device)
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    return sizes.to(device), first.to(torch.int32).to(device), owner.to(torch.int32).to(device)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -170,11 +172,10 @@ def shared_moment_adamw(
     numels = tuple(param.numel() for param in params)
     if not sum(numels):
         return
-    first, owner = _blocks(numels, device)
+    sizes, first, owner = _blocks(numels, device)
     aligned = all(address % 16 == 0 for row in rows for address in row)
     addresses = _to_device(rows, torch.int64, device)
     values = _to_device([list(s) for s in scalars], torch.float32, device)
-    sizes = _to_device(list(numels), torch.int64, device)
     beta1, beta2 = betas
     _shared_moment_adamw_kernel[(owner.numel(),)](
         addresses,
