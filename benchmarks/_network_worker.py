@@ -80,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--steps", type=int, default=6)
     add("--rounds", type=int, default=1, help="times the rows run, taking turns")
+    add("--interleave", action="store_true", help="build every row once; rounds take turns")
     add("--warmup", type=int, default=2)
     add("--profile-steps", type=int, default=2)
     add("--bucket-cap-mb", type=float, default=None, help="default: DDP 25, sparsecomm its own")
@@ -451,8 +452,8 @@ def gather(ctx: Context, obj):
     return out
 
 
-def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
-    """Warm-up, timed steps and (sparsecomm, with ``profile``) profiled steps of one row."""
+def start_row(name: str, ctx: Context) -> dict:
+    """Build one row (model, trainer) and take its ``--warmup`` untimed steps."""
     a = ctx.args
     started = time.perf_counter()
     model = ctx.fresh_model()
@@ -462,8 +463,32 @@ def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
     warmup = max(a.warmup, 3) if name == "ddp+powersgd" else a.warmup
     for step in range(warmup):
         trainer.step(step)
+    return {
+        "name": name,
+        "model": model,
+        "trainer": trainer,
+        "warmup": warmup,
+        "records": [],
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def timed_steps(run: dict, count: int) -> None:
+    """``count`` timed steps of a started row, after a barrier (the ranks start together)."""
+    started = time.perf_counter()
     dist.barrier()
-    records = [trainer.step(warmup + i) for i in range(a.steps)]
+    for _ in range(count):
+        run["records"].append(run["trainer"].step(run["warmup"] + len(run["records"])))
+    run["seconds"] += time.perf_counter() - started
+
+
+def finish_row(run: dict, ctx: Context, profile: bool = True, rounds: int = 1) -> dict:
+    """The row's result from its timed steps (``rounds`` turns of ``--steps`` each), and for
+    sparsecomm rows with ``profile`` the profiled steps that continue from them."""
+    a = ctx.args
+    name, model, trainer, records = run["name"], run["model"], run["trainer"], run["records"]
+    warmup, seconds = run["warmup"], run["seconds"]
+    started = time.perf_counter()
     profiled = []
     if profile and row_kind(name) == "sc" and a.profile_steps > 0:
         # A separate short run with profile=True (it synchronizes, so it is not timed above),
@@ -472,14 +497,15 @@ def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
         profiler = Trainer(name, ctx, model, profile=True)
         profiler.optimizer.load_state_dict(state)
         dist.barrier()
-        first = warmup + a.steps
+        first = warmup + len(records)
         profiled = [profiler.step(first + i) for i in range(a.profile_steps)]
         del profiler
     bytes_note = trainer.bytes_note
+    run.clear()
     del trainer, model
     gc.collect()
     everyone = gather(ctx, {"records": records, "profiled": profiled})
-    steps = [max(rank["records"][i]["total"] for rank in everyone) for i in range(a.steps)]
+    steps = [max(rank["records"][i]["total"] for rank in everyone) for i in range(len(records))]
     mine = everyone[0]["records"]
     byte_values = [r["bytes"] for r in mine if r["bytes"] is not None]
     densities = [r["density"] for r in mine if r["density"] is not None]
@@ -497,8 +523,13 @@ def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
         "density": statistics.median(densities) if densities else None,
         "final_loss": mine[-1]["loss"],
         "per_rank": everyone,
-        "wall_s": time.perf_counter() - started,
+        "wall_s": seconds + time.perf_counter() - started,
     }
+    if rounds > 1:  # the rows took turns: each turn's median, in turn order
+        per = len(steps) // rounds
+        result["round_medians"] = [
+            statistics.median(steps[i * per : (i + 1) * per]) for i in range(rounds)
+        ]
     if profiled:
         prof = everyone[0]["profiled"]
         total = sum(r["total"] for r in prof)
@@ -515,6 +546,13 @@ def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
             },
         }
     return result
+
+
+def run_row(name: str, ctx: Context, profile: bool = True) -> dict:
+    """Warm-up, timed steps and (sparsecomm, with ``profile``) profiled steps of one row."""
+    run = start_row(name, ctx)
+    timed_steps(run, ctx.args.steps)
+    return finish_row(run, ctx, profile)
 
 
 def run_to_target(name: str, ctx: Context) -> dict:
@@ -684,6 +722,48 @@ def main(argv=None) -> None:
         out["threshold"] = {"t": ctx.threshold, "how": how, "calibrated": calibrated}
         say(f"Threshold(t): {how}")
 
+    if args.interleave:
+        run_interleaved(rows, ctx, out, say, save)
+    else:
+        run_in_rounds(rows, ctx, out, say, save)
+    out["finished"] = True
+    save()
+    dist.barrier()  # tear down together: gloo can abort a rank whose peer left
+    dist.destroy_process_group()
+
+
+def run_interleaved(rows: list[str], ctx: Context, out: dict, say, save) -> None:
+    """Every row built once; then ``--rounds`` rounds in which each row takes ``--steps``
+    timed steps in turn (every other round in reverse order). Adjacent turns are seconds
+    apart, so a row's ratio to another, turn by turn, is free of the machine's drift over
+    minutes."""
+    args = ctx.args
+    runs = {}
+    for name in rows:
+        try:
+            runs[name] = start_row(name, ctx)
+        except Skip as why:
+            out["skipped"].append({"row": name, "reason": str(why)})
+            say(f"{name}: skipped: {why}")
+            gc.collect()
+            dist.barrier()
+    for round_ in range(args.rounds):
+        order = list(runs) if round_ % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            timed_steps(runs[name], args.steps)
+        say(f"round {round_ + 1}/{args.rounds} done")
+    for name in list(runs):
+        result = finish_row(runs.pop(name), ctx, profile=True, rounds=args.rounds)
+        if args.target_loss is not None:
+            result["target"] = run_to_target(name, ctx)
+        out["rows"].append(result)
+        report_row(result, args.rounds, args.rounds - 1, say)
+        save()
+
+
+def run_in_rounds(rows: list[str], ctx: Context, out: dict, say, save) -> None:
+    """``--rounds`` rounds in which each row, built afresh, runs in turn."""
+    args = ctx.args
     by_name = {}
     skipped = set()
     for round_ in range(args.rounds):
@@ -708,10 +788,6 @@ def main(argv=None) -> None:
             out["rows"] = [by_name[n] for n in rows if n in by_name]
             report_row(result, args.rounds, round_, say)
             save()
-    out["finished"] = True
-    save()
-    dist.barrier()  # tear down together: gloo can abort a rank whose peer left
-    dist.destroy_process_group()
 
 
 def merge_rounds(first: dict, later: dict) -> dict:

@@ -228,6 +228,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="times the rows run at each rate, taking turns (every other round in reverse "
         "order): drift of the machine spreads over every row instead of favouring some",
     )
+    add(
+        "--interleave",
+        action="store_true",
+        help="build every row once at each rate, then take turns of --steps steps for "
+        "--rounds rounds (no rebuild between turns): the report adds each row's ratio to "
+        "the baselines turn by turn, which the machine's drift over minutes does not move",
+    )
     add("--warmup", type=int, default=2, help="untimed steps per row first")
     add("--profile-steps", type=int, default=2, help="sparsecomm rows: profile=True steps")
     add("--threshold", type=float, default=None, help="t of Threshold(t); default: calibrated")
@@ -366,6 +373,8 @@ def worker_flags(args: argparse.Namespace, label: str, rate: float, json_path: P
         f"--rate-bytes-per-s={rate!r}",
         f"--rows={','.join(parse_rows(args.rows))}",
     ]
+    if args.interleave:
+        flags.append("--interleave")
     for name in (
         "width",
         "layers",
@@ -584,6 +593,90 @@ def _row(rate: dict, name: str) -> dict | None:
     return None
 
 
+# Baselines each row is divided by, turn by turn, where both ran.
+BASELINES = ("none", "ddp", "ddp+fp16")
+
+# Issue 11's step-time targets on the network benchmark: (rate, row, baseline, at most).
+# The hook door's row is compared with its optimizer door's, at every rate.
+TARGETS = (
+    ("1gbit", "TopK(0.01)", "ddp+fp16", 0.5),
+    ("1gbit", "TopK(0.01)", "none", 1.3),
+    ("unshaped", "TopK(0.01)", "ddp", 1.2),
+)
+HOOK_DOOR_TOLERANCE = 1.10
+
+
+def turn_ratios(row: dict | None, baseline: dict | None) -> list[float]:
+    """``row``'s turn medians over ``baseline``'s, turn by turn (empty unless both ran in
+    the same turns)."""
+    ours = (row or {}).get("round_medians") or []
+    theirs = (baseline or {}).get("round_medians") or []
+    if len(ours) < 2 or len(ours) != len(theirs):
+        return []
+    return [a / b for a, b in zip(ours, theirs)]
+
+
+def _ratio_text(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]"
+
+
+def side_by_side(rates: list[dict], names: list[str]) -> list[str]:
+    """Each row's step over each baseline's, turn by turn (median [min-max] of the turns'
+    ratios), and issue 11's targets where their rows ran."""
+    pairs = [(name, base) for name in names for base in BASELINES if base != name]
+    pairs += [(name, name[len("ddp+sc-") :]) for name in names if name.startswith("ddp+sc-")]
+    body = []
+    for name, base in pairs:
+        cells = [
+            _ratio_text(r) if (r := turn_ratios(_row(rate, name), _row(rate, base))) else "-"
+            for rate in rates
+        ]
+        if any(cell != "-" for cell in cells):
+            body.append(f"| {name} / {base} | " + " | ".join(cells) + " |")
+    if not body:
+        return []
+    lines = [
+        "## Side by side: ratios turn by turn",
+        "",
+        "Each row's median step in a turn over the baseline's in the same round, seconds "
+        "apart: the median of those ratios [their min-max]. The machine's speed drifts over "
+        "minutes by more than the rows differ; these ratios do not see that drift.",
+        "",
+        "| row / baseline |" + "".join(f" {r['label']} |" for r in rates),
+        "|---|" + "---:|" * len(rates),
+        *body,
+        "",
+    ]
+    checks = []
+    by_label = {rate["label"]: rate for rate in rates}
+    for label, name, base, most in TARGETS:
+        ratios = turn_ratios(
+            _row(by_label.get(label, {"data": None}), name),
+            _row(by_label.get(label, {"data": None}), base),
+        )
+        if ratios:
+            value = statistics.median(ratios)
+            checks.append(
+                f"- {label}: `{name}` <= {most:g}x `{base}`: {_ratio_text(ratios)}, "
+                + ("met" if value <= most else "NOT met")
+            )
+    for rate in rates:
+        for name in names:
+            if name.startswith("ddp+sc-"):
+                ratios = turn_ratios(_row(rate, name), _row(rate, name[len("ddp+sc-") :]))
+                if ratios:
+                    value = statistics.median(ratios)
+                    checks.append(
+                        f"- {rate['label']}: the hook door `{name}` within "
+                        f"{100 * (HOOK_DOOR_TOLERANCE - 1):.0f}% of the optimizer door: "
+                        f"{_ratio_text(ratios)}, "
+                        + ("met" if value <= HOOK_DOOR_TOLERANCE else "NOT met")
+                    )
+    if checks:
+        lines += ["Issue 11's targets on this benchmark:", "", *checks, ""]
+    return lines
+
+
 def format_report(results: dict) -> str:
     """The markdown report: set-up, link, step times, shares, targets, planner check."""
     rates = results["rates"]
@@ -607,12 +700,21 @@ def format_report(results: dict) -> str:
         f"AdamW{'(fused=True)' if cfg.get('adamw') == 'fused' else ''} lr {cfg['lr']:g}; "
         f"{cfg['batch_size']} windows per rank per step of the "
         "standard-library text; every row from the same initialization on the same data.",
-        f"- Per row and rate: {cfg['warmup']} untimed steps, then {cfg['steps']} timed; a step "
+        f"- Per row and rate: {cfg['warmup']} untimed steps, then {cfg['steps']} timed"
+        + (" per turn" if cfg.get("interleave") else "")
+        + "; a step "
         "is forward + backward + optimizer step, its time the slowest rank's. sparsecomm rows: "
         f"{cfg['profile_steps']} more steps with `profile=True` for the shares."
         + (
-            f" The rows took turns {cfg['rounds']} times (every other round in reverse order, "
-            "each from a fresh model); the figures pool every round's timed steps."
+            (
+                f" Every row was built once; then the rows took turns of {cfg['steps']} steps "
+                f"{cfg['rounds']} times (every other round in reverse order); the figures pool "
+                "every turn's timed steps."
+                if cfg.get("interleave")
+                else f" The rows took turns {cfg['rounds']} times (every other round in "
+                "reverse order, each from a fresh model); the figures pool every round's "
+                "timed steps."
+            )
             if cfg.get("rounds", 1) > 1
             else ""
         ),
@@ -718,6 +820,8 @@ def format_report(results: dict) -> str:
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+
+    lines += side_by_side(rates, names)
 
     if cfg.get("target_loss") is not None:
         lines += [

@@ -234,10 +234,40 @@ def test_report_and_planner_check_on_fixed_numbers(tmp_path):
     assert (tmp_path / "network.png").stat().st_size > 10_000
 
 
+def test_side_by_side_ratios_are_taken_turn_by_turn_and_checked_against_the_targets():
+    # The machine slows down 2x in the second turn: pooled medians would blur the rows, the
+    # turn-by-turn ratios do not.
+    results = _fake_results()
+    results["rates"][0]["label"] = "1gbit"
+    turns = {
+        "none": [0.40, 0.80, 0.40],
+        "ddp+fp16": [1.00, 2.00, 1.00],
+        "TopK(0.01)": [0.48, 0.96, 0.52],
+        "ddp+sc-TopK(0.01)": [0.50, 1.20, 0.52],
+    }
+    rows = []
+    for name, medians in turns.items():
+        row = dict(results["rates"][0]["data"]["rows"][0], row=name, round_medians=medians)
+        rows.append(row)
+    results["rates"][0]["data"]["rows"] = rows
+    report = bench.format_report(results)
+    assert "| TopK(0.01) / ddp+fp16 | 0.480x [0.480-0.520] | - |" in report
+    assert "| TopK(0.01) / none | 1.200x [1.200-1.300] | - |" in report
+    assert "| ddp+sc-TopK(0.01) / TopK(0.01) | 1.042x [1.000-1.250] | - |" in report
+    assert "- 1gbit: `TopK(0.01)` <= 0.5x `ddp+fp16`: 0.480x [0.480-0.520], met" in report
+    assert "- 1gbit: `TopK(0.01)` <= 1.3x `none`: 1.200x [1.200-1.300], met" in report
+    assert "`ddp+sc-TopK(0.01)` within 10% of the optimizer door: 1.042x" in report
+    # A row that ran in other turns than its baseline (a rebuilt round) is not divided.
+    rows[0]["round_medians"] = [0.4, 0.8]
+    assert "| TopK(0.01) / none |" not in bench.format_report(results)
+    assert bench.turn_ratios(rows[2], rows[1]) == pytest.approx([0.48, 0.48, 0.52])
+
+
 # --------------------------------------------------------------------------- end to end
 
 
-def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
+@pytest.mark.parametrize("interleave", [False, True], ids=["rebuilt", "interleaved"])
+def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path, interleave):
     needs_shaping()
     out = tmp_path / "out"
     result = run_bench(
@@ -250,6 +280,7 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
         "--profile-steps=1",
         "--rate-timeout=100",
         f"--out={out}",
+        *(["--interleave"] if interleave else []),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -277,6 +308,7 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path):
     assert "Sent" in rate["qdisc_stats"] and "tbf" in rate["qdisc_stats"]
     table = (out / "table.md").read_text()
     assert "| TopK(0.01) |" in table and "rate/2" in table
+    assert "| TopK(0.01) / ddp | " in table  # two turns each: the turn-by-turn ratios
     assert (out / "network.png").stat().st_size > 10_000
 
 
