@@ -49,7 +49,7 @@ except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
     import sparsecomm
 
-from bench_network import parse_rows  # noqa: E402  (pure Python: the row names)
+from bench_network import parse_rows, split_cap  # noqa: E402  (pure Python: the row names)
 from train_charlm import VOCAB, CharTransformer, load_stdlib_text, windows  # noqa: E402
 
 
@@ -274,8 +274,10 @@ class Trainer:
     """One row's model, exchange and optimizer, with a per-step byte count."""
 
     def __init__(self, name: str, ctx: Context, model: torch.nn.Module, profile: bool = False):
-        self.name, self.ctx, self.model = name, ctx, model
         a = ctx.args
+        name, cap = split_cap(name)
+        self.bucket_cap_mb = a.bucket_cap_mb if cap is None else cap
+        self.name, self.ctx, self.model = name, ctx, model
         self.module = model  # what the forward pass calls
         self.hook_state = None
         self.bytes_note = ""
@@ -294,7 +296,7 @@ class Trainer:
             self.optimizer = sparsecomm.CompressedOptimizer(
                 adamw(),
                 make_compressor(name, ctx),
-                bucket_cap_mb=a.bucket_cap_mb,
+                bucket_cap_mb=self.bucket_cap_mb,
                 min_compress_numel=a.min_compress_numel,
                 profile=profile,
                 exchange=name.partition("/")[2] or "gradients",
@@ -330,7 +332,7 @@ class Trainer:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model,
             device_ids=[ctx.device.index] if ctx.cuda else None,
-            bucket_cap_mb=25.0 if a.bucket_cap_mb is None else a.bucket_cap_mb,
+            bucket_cap_mb=25.0 if self.bucket_cap_mb is None else self.bucket_cap_mb,
         )
         self.module = ddp
         try:

@@ -118,14 +118,34 @@ _ROW_FORMS = [
 EXCHANGES = ("updates", "local_updates")
 
 
+def split_cap(name: str) -> tuple[str, float | None]:
+    """``("TopK(0.01)", 25.0)`` from the row ``TopK(0.01)@25``: the row without its bucket
+    cap, and the cap in MiB (None: ``--bucket-cap-mb``'s)."""
+    base, at, cap = name.partition("@")
+    return base, (float(cap) if at else None)
+
+
 def parse_rows(text: str) -> list[str]:
     """Canonical row names from a comma-separated list (``dense`` or ``Dense()``,
     ``bf16`` or ``Cast(torch.bfloat16)``, ``TopK(0.01)``, ``TopK(0.01)/local_updates``, ...),
-    in the order given."""
+    in the order given. A row of DDP or sparsecomm may end in ``@C``: its own bucket cap of
+    C MiB (``TopK(0.01)@25``), so that two bucket sizes run side by side."""
     rows = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
+        item, at, cap = item.partition("@")
+        if at:
+            try:
+                cap_mb = float(cap)
+            except ValueError:
+                cap_mb = 0.0
+            if not cap_mb > 0 or item.strip() == "none":
+                raise ValueError(
+                    f"row {item}@{cap}: after an '@' a DDP or sparsecomm row takes its bucket "
+                    "cap in MiB, a number > 0; e.g. TopK(0.01)@25"
+                )
+            cap = f"@{cap_mb:g}"
         item, _, exchange = item.partition("/")
         for pattern, canonical in _ROW_FORMS:
             match = pattern.match(item.replace(" ", ""))
@@ -150,6 +170,7 @@ def parse_rows(text: str) -> list[str]:
                     "e.g. TopK(0.01)/local_updates"
                 )
             name = f"{name}/{exchange}"
+        name += cap
         if name not in rows:
             rows.append(name)
     if not rows:
@@ -955,7 +976,7 @@ _PLAN_NAMES = {
 def _plan_name(row: str, density: float | None) -> str | None:
     from sparsecomm.plan import _pct
 
-    if "/" in row:  # the planner models the gradient exchange only
+    if "/" in row or "@" in row:  # the planner models the gradient exchange, default buckets
         return None
     if row in _PLAN_NAMES:
         return _PLAN_NAMES[row]

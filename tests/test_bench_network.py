@@ -83,6 +83,15 @@ def test_parse_rows_accepts_the_issue_spellings_in_order():
         "Dense()/updates",
         "TopK(0.01)",
     ]
+    # A bucket cap of its own: two bucket sizes side by side.
+    assert bench.parse_rows("TopK(0.01), topk(0.01)@25, TopK(0.01)/updates@12.5, ddp@100") == [
+        "TopK(0.01)",
+        "TopK(0.01)@25",
+        "TopK(0.01)/updates@12.5",
+        "ddp@100",
+    ]
+    assert bench.split_cap("TopK(0.01)/updates@12.5") == ("TopK(0.01)/updates", 12.5)
+    assert bench.split_cap("ddp") == ("ddp", None)
 
 
 @pytest.mark.parametrize(
@@ -93,6 +102,8 @@ def test_parse_rows_accepts_the_issue_spellings_in_order():
         ("TopK(0.01)/sideways", ["sideways", "local_updates", "TopK(0.01)/local_updates"]),
         ("ddp+fp16/updates", ["ddp+fp16/updates", "sparsecomm row"]),
         ("none/local_updates", ["none/local_updates", "sparsecomm row"]),
+        ("TopK(0.01)@big", ["TopK(0.01)@big", "MiB", "TopK(0.01)@25"]),
+        ("none@25", ["none@25", "DDP or sparsecomm row"]),
     ],
 )
 def test_parse_rows_refuses_with_the_fix(text, words):
@@ -272,7 +283,8 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path, interleave):
     out = tmp_path / "out"
     result = run_bench(
         f"--rates={SMOKE_RATE}",
-        "--rows=none,ddp,TopK(0.01),TopK(0.01)/local_updates",
+        "--rows=none,ddp,TopK(0.01),TopK(0.01)/local_updates"
+        + (",TopK(0.01)@0.01" if interleave else ""),
         *TINY,
         "--steps=2",
         "--rounds=2",
@@ -297,14 +309,18 @@ def test_smoke_two_ranks_on_a_shaped_loopback(tmp_path, interleave):
     )
     assert link["per_rank_bytes_per_s"] == pytest.approx(achieved / 2)
     rows = {row["row"]: row for row in data["rows"]}
-    assert list(rows) == ["none", "ddp", "TopK(0.01)", "TopK(0.01)/local_updates"]
+    assert list(rows) == ["none", "ddp", "TopK(0.01)", "TopK(0.01)/local_updates"] + (
+        ["TopK(0.01)@0.01"] if interleave else []
+    )
     for row in rows.values():
         assert 0 < row["step_s"]["p20"] <= row["step_s"]["median"] <= row["step_s"]["p80"]
     assert rows["none"]["bytes_per_step"] == 0
     assert rows["ddp"]["bytes_per_step"] == 4 * data["params"]
-    for name in ("TopK(0.01)", "TopK(0.01)/local_updates"):
+    for name in ("TopK(0.01)", "TopK(0.01)/local_updates", *(["TopK(0.01)@0.01"] * interleave)):
         assert 0 < rows[name]["bytes_per_step"] < rows["ddp"]["bytes_per_step"] / 10, name
     assert 0 <= rows["TopK(0.01)"]["profile"]["communicate_share"] <= 1
+    if interleave:  # 10 KiB buckets: k = ceil(1% of each), more than 1% of one bucket
+        assert rows["TopK(0.01)@0.01"]["bytes_per_step"] > rows["TopK(0.01)"]["bytes_per_step"]
     assert "Sent" in rate["qdisc_stats"] and "tbf" in rate["qdisc_stats"]
     table = (out / "table.md").read_text()
     assert "| TopK(0.01) |" in table and "rate/2" in table
