@@ -294,32 +294,42 @@ def _catch_up(g, exp_avg, exp_avg_sq, last_step, step, lr, betas, eps):
     beta1, beta2 = betas
     tau = (step - last_step).float()  # >= 1: last_step is at most step - 1
     g = g / tau
-    # beta ** tau as exp2(tau * log2(beta)): within an ulp, and on a CPU 8x faster than pow
-    decay1 = _power(beta1, tau)
-    decay2 = _power(beta2, tau)
+    # 1 - beta ** tau, the weight of the tau steps' gradient in each moment, as -expm1(tau *
+    # ln(beta)): 1 - beta2 formed in float32 would keep only 4 of its digits (beta2 = 0.999)
+    keep1 = _one_minus_power(beta1, tau)
+    keep2 = _one_minus_power(beta2, tau)
     last = last_step.float()
     # beta1^last, 1 minus the old momentum's bias correction, for a coordinate last received
     # before step momenta_terms(beta1); a later one's corrections are 1 in float32
     limit = momenta_terms(beta1)
     young = last < limit
     start = torch.where(young, _power(beta1, last), torch.zeros_like(last))
-    weights = _momenta_weights(beta1, tau, young, start, decay1, limit)
+    weights = _momenta_weights(beta1, tau, young, start, keep1, limit)
     # The bias-corrected momenta of the tau steps, summed.
     momenta = torch.addcmul(tau * g, exp_avg - (1.0 - start) * g, weights)
-    new_avg = torch.lerp(exp_avg, g, 1.0 - decay1)
-    new_avg_sq = torch.lerp(exp_avg_sq, g * g, decay2.neg_().add_(1.0))
+    new_avg = torch.lerp(exp_avg, g, keep1)
+    new_avg_sq = torch.lerp(exp_avg_sq, g * g, keep2)
     denom = new_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps)
     return momenta.div_(denom).mul_(lr), new_avg, new_avg_sq
 
 
 def _power(beta: float, exponent: torch.Tensor) -> torch.Tensor:
-    """``beta ** exponent`` for exponents >= 0 (``0 ** 0`` is 1)."""
+    """``beta ** exponent`` for exponents >= 0 (``0 ** 0`` is 1), as ``exp2(exponent *
+    log2(beta))``: within an ulp, and on a CPU 8x faster than ``pow``."""
     if beta > 0:
         return torch.exp2(exponent * math.log2(beta))
     return (exponent == 0).float()
 
 
-def _momenta_weights(beta1, tau, young, start, decay1, limit) -> torch.Tensor:
+def _one_minus_power(beta: float, exponent: torch.Tensor) -> torch.Tensor:
+    """``1 - beta ** exponent`` for exponents >= 1, without the cancellation of forming
+    ``beta ** exponent`` first (docs/catchup.md, "Rounding")."""
+    if beta > 0:
+        return torch.expm1(exponent * math.log(beta)).neg_()
+    return torch.ones_like(exponent)
+
+
+def _momenta_weights(beta1, tau, young, start, keep1, limit) -> torch.Tensor:
     """``sum over k = 1..tau of beta1^k / (1 - beta1^(last + k))``: the weight of the old
     momentum's bias-corrected excess in the momenta of the tau steps. The geometric sum in
     closed form, plus, for a coordinate last received before step ``limit`` (``momenta_terms``),
@@ -327,7 +337,7 @@ def _momenta_weights(beta1, tau, young, start, decay1, limit) -> torch.Tensor:
     terms are below ``beta1^(2 limit)``): as many as the longest wait needs, read by the
     host (on CUDA a sync, but late in training no turn at all, where ``limit`` turns of
     seven launches each would cost far more)."""
-    weights = (1.0 - decay1).mul_(beta1 / (1.0 - beta1)) if beta1 > 0 else torch.zeros_like(tau)
+    weights = keep1 * (beta1 / (1.0 - beta1)) if beta1 > 0 else torch.zeros_like(tau)
     if beta1 == 0:
         return weights
     # Only a coordinate last received within the first `limit` steps has corrections that

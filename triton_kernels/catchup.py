@@ -5,7 +5,7 @@ elementwise ops, each a kernel launch and a pass over memory. This kernel reads 
 parameter, its gradient, both moments and ``last_step`` once (20 bytes per fp32 element)
 and writes the parameter back and, only where the gradient is nonzero, the moments and
 ``last_step``: on a 163M-parameter model, 149 launches a step instead of about 3000. The
-results agree with the torch version to float32 rounding, not bit for bit (``exp2`` and the
+results agree with the torch version to float32 rounding, not bit for bit (``exp`` and the
 divisions are the GPU's own); every rank runs the same kernel, so ranks stay identical.
 """
 
@@ -35,6 +35,23 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _one_minus_exp(x):
+    """``1 - exp(x)`` for ``x <= 0`` (``-expm1(x)``), to float32 precision also near 0,
+    where ``1.0 - tl.exp(x)`` would cancel: for ``x > -0.5`` the Taylor series, whose terms
+    after ``x**9`` are below ``6e-10`` of the sum; below, ``exp(x) <= 0.61`` and the
+    subtraction loses at most a bit."""
+    series = 1.0 + x * (1.0 / 9.0)
+    series = 1.0 + x * (1.0 / 8.0) * series
+    series = 1.0 + x * (1.0 / 7.0) * series
+    series = 1.0 + x * (1.0 / 6.0) * series
+    series = 1.0 + x * (1.0 / 5.0) * series
+    series = 1.0 + x * (1.0 / 4.0) * series
+    series = 1.0 + x * (1.0 / 3.0) * series
+    series = 1.0 + x * 0.5 * series
+    return tl.where(x > -0.5, -x * series, 1.0 - tl.exp(x))
+
+
+@triton.jit
 def _catch_up_adamw_kernel(
     param_ptr,
     grad_ptr,
@@ -44,8 +61,8 @@ def _catch_up_adamw_kernel(
     n,
     step,
     decay,
-    log2_beta1,
-    log2_beta2,
+    ln_beta1,
+    ln_beta2,
     beta1,
     momenta_ratio,
     lr,
@@ -68,14 +85,16 @@ def _catch_up_adamw_kernel(
     tau = (step - last).to(tl.float32)
     tau = tl.where(received, tau, 1.0)  # (unread where nothing was received)
     g = g / tau
-    decay1 = tl.exp2(tau * log2_beta1)
-    decay2 = tl.exp2(tau * log2_beta2)
+    # 1 - beta ** tau: the weight of the tau steps' gradient in each moment (1 - 0.999 formed
+    # in float32 would keep 4 of its digits)
+    keep1 = _one_minus_exp(tau * ln_beta1)
+    keep2 = _one_minus_exp(tau * ln_beta2)
     # The weight of the old momentum's bias-corrected excess in the tau steps' momenta: the
     # geometric sum, plus the bias corrections' share for the first momenta_terms steps (as
     # many as this block's longest wait needs).
-    weights = (1.0 - decay1) * momenta_ratio
+    weights = keep1 * momenta_ratio
     young = touch & (last < momenta_terms)
-    x = tl.where(young, tl.exp2(last.to(tl.float32) * log2_beta1), 0.0)
+    x = tl.where(young, tl.exp(last.to(tl.float32) * ln_beta1), 0.0)
     excess = m - (1.0 - x) * g
     # (only for a coordinate last received before step momenta_terms: later ones' corrections
     # are 1 in float32, and late in training the loop runs no turn)
@@ -87,8 +106,8 @@ def _catch_up_adamw_kernel(
         bk = bk * beta1
         weights += tl.where(wait >= k, (bk * x) / (1.0 - x), 0.0)
     momenta = tau * g + excess * weights
-    new_m = m + (1.0 - decay1) * (g - m)
-    new_v = v + (1.0 - decay2) * (g * g - v)
+    new_m = m + keep1 * (g - m)
+    new_v = v + keep2 * (g * g - v)
     denom = tl.sqrt(new_v / bias_correction2) + eps
     work = tl.where(received, work - momenta / denom * lr, work)
     # The step stored into last_step does not depend on the value loaded from there, so with
@@ -154,8 +173,8 @@ def catch_up_adamw(
         n,
         step,
         1.0 - lr * weight_decay,
-        math.log2(beta1),
-        math.log2(beta2),
+        math.log(beta1),
+        math.log(beta2),
         beta1,
         beta1 / (1.0 - beta1),
         lr,
