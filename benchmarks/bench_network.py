@@ -668,31 +668,24 @@ def side_by_side(rates: list[dict], names: list[str]) -> list[str]:
         *body,
         "",
     ]
-    checks = []
-    by_label = {rate["label"]: rate for rate in rates}
-    for label, name, base, most in TARGETS:
-        ratios = turn_ratios(
-            _row(by_label.get(label, {"data": None}), name),
-            _row(by_label.get(label, {"data": None}), base),
-        )
+
+    def check(what: str, ratios: list[float], most: float) -> None:
         if ratios:
-            value = statistics.median(ratios)
-            checks.append(
-                f"- {label}: `{name}` <= {most:g}x `{base}`: {_ratio_text(ratios)}, "
-                + ("met" if value <= most else "NOT met")
-            )
+            verdict = "met" if statistics.median(ratios) <= most else "NOT met"
+            checks.append(f"- {what}: {_ratio_text(ratios)}, {verdict}")
+
+    checks: list[str] = []
     for rate in rates:
+        for label, name, base, most in TARGETS:
+            if rate["label"] == label:
+                ratios = turn_ratios(_row(rate, name), _row(rate, base))
+                check(f"{label}: `{name}` <= {most:g}x `{base}`", ratios, most)
         for name in names:
             if name.startswith("ddp+sc-"):
                 ratios = turn_ratios(_row(rate, name), _row(rate, name[len("ddp+sc-") :]))
-                if ratios:
-                    value = statistics.median(ratios)
-                    checks.append(
-                        f"- {rate['label']}: the hook door `{name}` within "
-                        f"{100 * (HOOK_DOOR_TOLERANCE - 1):.0f}% of the optimizer door: "
-                        f"{_ratio_text(ratios)}, "
-                        + ("met" if value <= HOOK_DOOR_TOLERANCE else "NOT met")
-                    )
+                within = f"{100 * (HOOK_DOOR_TOLERANCE - 1):.0f}%"
+                what = f"{rate['label']}: the hook door `{name}` within {within} of the optimizer"
+                check(what + " door", ratios, HOOK_DOOR_TOLERANCE)
     if checks:
         lines += ["Issue 11's targets on this benchmark:", "", *checks, ""]
     return lines
