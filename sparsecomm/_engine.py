@@ -696,6 +696,9 @@ class BucketEngine:
             message = compressor.compress_accumulated(bucket.grad_buffer, self.comm.world_size)
         else:
             message = self._compress(bucket, compressor)
+        # 16-bit sparse values: what rounding takes off joins the new residual, which every
+        # branch above leaves in grad_buffer (a no-op where compress already rounded).
+        compressor.round_message(message, None if bucket.residual is None else bucket.grad_buffer)
         self.compress_seconds += self.comm.clock(bucket.device) - started
         bucket.exchange = compressor.start(message, self.comm)
 
@@ -724,7 +727,7 @@ class BucketEngine:
         world_size = self.comm.world_size
         members = self._members(bucket) if _ops.use_triton(bucket.grad_buffer) else None
         if members is not None:  # the kernels, replayed from a CUDA graph where one serves
-            chooser = AdamChoice(members, compressor.k_for(bucket.numel))
+            chooser = AdamChoice(members, compressor.k_for(bucket.numel), compressor.value_dtype)
             signature = self.graph_signature(bucket, chooser, self.next_launch)
             # (A bucket that accumulates holds grad + residual already.)
             grad, residual = bucket.grad_buffer, None if bucket.accumulates else bucket.residual

@@ -36,6 +36,30 @@ __all__ = ["Compressor", "Dense", "Cast", "Threshold", "TopK"]
 DENSE_ELEMENT_BYTES = 4
 PAIR_BYTES = 8
 
+# The dtypes a sparse message's values may travel in (TopK(..., values=...)).
+VALUE_DTYPES = (torch.float32, torch.bfloat16)
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def _round_values(message: Message, residual: torch.Tensor | None) -> None:
+    """Make ``message.values`` what bfloat16 carries, in place, and put what the rounding
+    took off into ``residual`` at the sent positions (where the compressor left zeros), so
+    that sent + residual is still ``grad + residual`` bit for bit: ``v - bf16(v)`` is exact
+    in float32. A finite value beyond bfloat16's largest is clamped to it (the excess, less
+    than the value, goes into the residual); NaN and Inf travel as they are, their residual
+    stays 0. Elementwise over the ``count`` pairs: no host synchronisation."""
+    count = message.count
+    values = message.values[:count]
+    finite = torch.isfinite(values)
+    sent = torch.where(finite, values.clamp(-_BF16_MAX, _BF16_MAX), values)
+    sent = sent.to(torch.bfloat16).float()
+    if residual is not None:
+        left = torch.where(finite, values - sent, torch.zeros_like(values))
+        residual.scatter_(0, message.indices[:count].long(), left)
+    values.copy_(sent)
+    message.rounded = True
+    message.known_peak = None  # (taken before the rounding, which may raise a magnitude)
+
 
 @dataclass
 class Message:
@@ -56,6 +80,9 @@ class Message:
     wire_bytes: int = 0
     #: :meth:`peak`, when it was computed with the message (inside a CUDA graph).
     known_peak: torch.Tensor | None = None
+    #: Whether the values are already as a 16-bit ``value_dtype`` carries them
+    #: (:meth:`Compressor.round_message`).
+    rounded: bool = False
 
     def decode(self) -> torch.Tensor:
         """The float32 gradient this message stands for (what this rank sent)."""
@@ -186,6 +213,14 @@ class Compressor:
 
         accumulated = owner("compress_accumulated")
         return accumulated is not Compressor and issubclass(accumulated, owner("compress"))
+
+    def round_message(self, message: Message, residual: torch.Tensor | None) -> None:
+        """Make the message's values what the wire carries, what that takes off going into
+        ``residual`` (the tensor ``compress`` left the new residual in; None: no error
+        feedback). Only :class:`TopK` with ``value_dtype=torch.bfloat16`` rounds; its
+        ``compress`` does it itself except when given ``addresses`` (a CUDA graph's buffers
+        may have moved since its capture, so the caller, who knows where they are now,
+        rounds after the replay). Idempotent: a message already rounded is left alone."""
 
     def start(self, message: Message, comm: Communicator, check: bool = True) -> Exchange:
         """Start the collectives. ``check``: also measure the message's peak
@@ -412,11 +447,19 @@ class _Sparse(Compressor):
     # GPU then waits on the host (docs/buckets.md). Sixteen sparse buckets still overlap.
     default_max_buckets = 16
 
+    #: The dtype the values travel in (TopK's ``values``); float32 for Threshold.
+    value_dtype = torch.float32
+
+    @property
+    def pair_bytes(self) -> int:
+        """Bytes on the wire per (index, value) pair: 8, or 6 with bfloat16 values."""
+        return 4 + self.value_dtype.itemsize
+
     def start(self, message, comm, check=True):
         world_size, numel = comm.world_size, message.numel
         if world_size == 1:  # nothing to send: finish() reads the message itself
             count = message.known_count()
-            message.wire_bytes = count * PAIR_BYTES
+            message.wire_bytes = count * self.pair_bytes
             return Exchange(
                 message, None, None, comm, width=count,
                 peak=message.peak(world_size) if check else None,
@@ -428,11 +471,11 @@ class _Sparse(Compressor):
         # know every count, so they all switch to dense together.
         if width * world_size >= numel:
             return _start_all_reduce(message.decode(), comm, message, check)
-        if message.known_count() == width:
+        if message.known_count() == width and self.value_dtype == torch.float32:
             payload = torch.cat([message.indices[:width], message.values[:width].view(torch.int32)])
         else:
-            payload = _pad_pairs(message, width)
-        message.wire_bytes = width * PAIR_BYTES
+            payload = _pad_pairs(message, width, self.value_dtype)
+        message.wire_bytes = width * self.pair_bytes
         gathered, work = comm.start_all_gather(payload)
         fixed = all(c == width for c in counts)
         return Exchange(
@@ -450,7 +493,7 @@ class _Sparse(Compressor):
             values = exchange.message.values[:width].unsqueeze(0)
         else:
             indices = gathered[:, :width].contiguous()
-            values = gathered[:, width:].contiguous().view(torch.float32)
+            values = gathered[:, width:].contiguous().view(self.value_dtype)[:, :width].float()
         world_size = exchange.comm.world_size
         return _ops.scatter_add(
             indices, values, exchange.counts, exchange.message.numel,
@@ -461,12 +504,15 @@ class _Sparse(Compressor):
         raise NotImplementedError
 
 
-def _pad_pairs(message: Message, width: int) -> torch.Tensor:
-    """This rank's pairs followed by zero padding up to ``width`` (int32 words)."""
+def _pad_pairs(message: Message, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int32 words: this rank's ``width`` indices, then its values in ``dtype`` (bfloat16:
+    two a word, the last word half padding for an odd ``width``), each zero-padded from its
+    count to ``width``."""
     count = message.known_count()
-    payload = torch.zeros(2 * width, dtype=torch.int32, device=message.values.device)
+    value_words = -(-width * dtype.itemsize // 4)
+    payload = torch.zeros(width + value_words, dtype=torch.int32, device=message.values.device)
     payload[:count] = message.indices[:count]
-    payload[width : width + count] = message.values[:count].view(torch.int32)
+    payload[width:].view(dtype)[:count] = message.values[:count]
     return payload
 
 
@@ -518,19 +564,23 @@ class AdamChoice(Compressor):
     zeroed there (``triton_kernels.adam_score.adam_topk``), from a CUDA graph where one
     serves. Not a compressor to pass to the optimizer."""
 
-    def __init__(self, members, k: int):
+    def __init__(self, members, k: int, value_dtype: torch.dtype = torch.float32):
         self.members = members
         self.k = k
+        self.value_dtype = value_dtype
 
     def config(self):
         return {"name": "AdamChoice", "k": self.k}
 
     def graph_signature(self, numel):
-        return ("AdamChoice", self.k, self.members.signature)
+        return ("AdamChoice", self.k, self.value_dtype, self.members.signature)
 
     def compress(self, grad, residual, world_size, addresses=None):
         indices, values = _adam_score.adam_topk(grad, residual, self.members, self.k, addresses)
-        return Message(numel=grad.numel(), values=values, indices=indices, count=self.k)
+        message = Message(numel=grad.numel(), values=values, indices=indices, count=self.k)
+        if addresses is None and self.value_dtype != torch.float32:
+            _round_values(message, grad)  # the new residual is in grad (acc, sent zeroed)
+        return message
 
 
 @functools.lru_cache(maxsize=4096)
@@ -583,6 +633,13 @@ class TopK(_Sparse):
       replay from one CUDA graph per bucket (``triton_kernels/adam_score.py``); see
       ``docs/adam_selection.md`` for the definition's details and the measurements.
 
+    The values travel in ``value_dtype``: ``torch.float32`` (the default; 8 bytes a pair
+    with the int32 index) or ``torch.bfloat16`` (6 bytes a pair, a quarter fewer). With
+    bfloat16 each value is rounded to nearest before it is sent and what the rounding took
+    off stays in the residual, so sent plus residual is still exactly ``grad + residual``
+    and the rounding error goes out in a later step, as a value that was not chosen does.
+    Every rank adds the same rounded values, so the ranks stay identical.
+
     Args:
         density: the fraction of elements sent, in ``(0, 1]``. ``TopK(1.0)`` sends everything.
         warmup_steps: steps of warm-up (default 0: ``density`` from the first step).
@@ -590,6 +647,7 @@ class TopK(_Sparse):
         warmup_start: the density of the first exponential warm-up step, in ``[density,
             1]`` (default 0.25, DGC's first stage); a dense warm-up ignores it.
         select: ``"magnitude"`` or ``"adam"``, as above.
+        value_dtype: ``torch.float32`` or ``torch.bfloat16``, as above.
 
     Example:
         >>> sparsecomm.TopK(density=0.01)
@@ -609,6 +667,7 @@ class TopK(_Sparse):
         warmup: str = "exponential",
         warmup_start: float = 0.25,
         select: str = "magnitude",
+        value_dtype: torch.dtype = torch.float32,
     ):
         _require_real(density, "TopK(density=...)", "TopK(density=0.01) sends 1%")
         if not (0 < density <= 1):
@@ -642,8 +701,15 @@ class TopK(_Sparse):
                 "|grad + residual|) or 'adam' (the largest |grad + residual| over the wrapped "
                 "Adam's scale, sqrt(exp_avg_sq) + eps)"
             )
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(
+                f"TopK(value_dtype={value_dtype!r}) is invalid: the values travel as "
+                "torch.float32 (8-byte pairs) or torch.bfloat16 (6-byte pairs, the rounding "
+                "kept in the residual)"
+            )
         self.density = float(density)
         self.select = select
+        self.value_dtype = value_dtype
         self.warmup_steps = int(warmup_steps)
         self.warmup = warmup
         self.warmup_start = float(warmup_start)
@@ -653,6 +719,8 @@ class TopK(_Sparse):
         config = {"name": "TopK", "density": self.density}
         if self.select != "magnitude":
             config["select"] = self.select
+        if self.value_dtype != torch.float32:
+            config["value_dtype"] = str(self.value_dtype).removeprefix("torch.")
         if self.warmup_steps:
             config.update(warmup_steps=self.warmup_steps, warmup=self.warmup)
             if self.warmup == "exponential":  # (a dense warm-up has no use for it)
@@ -667,6 +735,8 @@ class TopK(_Sparse):
 
     def __repr__(self):
         select = "" if self.select == "magnitude" else f", select={self.select!r}"
+        if self.value_dtype != torch.float32:
+            select += f", value_dtype={self.value_dtype}"
         if not self.warmup_steps:
             return f"TopK(density={self.density}{select})"
         shape = "warmup='dense'" if self.warmup == "dense" else f"warmup_start={self.warmup_start}"
@@ -687,7 +757,9 @@ class TopK(_Sparse):
         if current is None:
             if len(self._at) > 64:  # steps only move forward: keep a few
                 self._at.clear()
-            current = self._at[step] = TopK(self.density_at(step), select=self.select)
+            current = self._at[step] = TopK(
+                self.density_at(step), select=self.select, value_dtype=self.value_dtype
+            )
         return current
 
     def k_for(self, numel: int) -> int:
@@ -699,7 +771,7 @@ class TopK(_Sparse):
     def graph_signature(self, numel):
         if self.select != "magnitude":  # the engine scores the bucket first, eagerly
             return None
-        return ("TopK", self.k_for(numel))
+        return ("TopK", self.k_for(numel), self.value_dtype)
 
     @property
     def selects_by_adam(self) -> bool:
@@ -710,14 +782,23 @@ class TopK(_Sparse):
         numel = grad.numel()
         k = self.k_for(numel)
         indices, values = _ops.topk_compress(grad, residual, k, addresses)
-        return Message(numel=numel, values=values, indices=indices, count=k)
+        message = Message(numel=numel, values=values, indices=indices, count=k)
+        if addresses is None:  # (else the caller rounds: see round_message)
+            self.round_message(message, residual)
+        return message
 
     def compress_accumulated(self, acc, world_size):
         self._by_magnitude_only()
         numel = acc.numel()
         k = self.k_for(numel)
         indices, values = _ops.topk_compress_accumulated(acc, k)
-        return Message(numel=numel, values=values, indices=indices, count=k)
+        message = Message(numel=numel, values=values, indices=indices, count=k)
+        self.round_message(message, acc)
+        return message
+
+    def round_message(self, message, residual):
+        if self.value_dtype != torch.float32 and not message.rounded:
+            _round_values(message, residual)
 
     def _by_magnitude_only(self) -> None:
         if self.select != "magnitude":
@@ -740,7 +821,9 @@ class TopK(_Sparse):
         indices, _ = _ops.topk_compress(score, None, k)
         values = acc.index_select(0, indices)
         _ops.zero_sent(acc, indices)
-        return Message(numel=numel, values=values, indices=indices, count=k)
+        message = Message(numel=numel, values=values, indices=indices, count=k)
+        self.round_message(message, acc)
+        return message
 
     def _gather_counts(self, message, comm):
         return [message.count] * comm.world_size

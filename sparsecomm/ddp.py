@@ -403,6 +403,7 @@ def _compressed_hook(state, bucket):
         message = state.graphs.compress(
             compressor, grad, residual, state.comm.world_size, signature, index
         )
+    compressor.round_message(message, residual)  # (16-bit sparse values; else a no-op)
     exchange = compressor.start(message, state.comm, check=residual is not None)
     state._bytes_this_iteration += message.wire_bytes
     if residual is not None:

@@ -1031,7 +1031,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--half-values",
         action="store_true",
-        help="sparse values sent as half: 6-byte pairs instead of 8",
+        help="sparse values sent as bfloat16, as TopK(value_dtype=torch.bfloat16) sends "
+        "them: 6-byte pairs instead of 8",
     )
     parser.add_argument(
         "--compute-seconds",

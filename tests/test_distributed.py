@@ -24,6 +24,7 @@ COMPRESSORS = [
     sparsecomm.Cast(torch.bfloat16),
     sparsecomm.Threshold(2e-3),
     sparsecomm.TopK(0.05),
+    sparsecomm.TopK(0.05, value_dtype=torch.bfloat16),
 ]
 
 
@@ -61,6 +62,7 @@ AGGREGATION_COMPRESSORS = [
     sparsecomm.Cast(torch.bfloat16),
     sparsecomm.Threshold(0.5),
     sparsecomm.TopK(0.1),
+    sparsecomm.TopK(0.1, value_dtype=torch.bfloat16),
     sparsecomm.TopK(1.0),  # k = numel: always the dense all-reduce
 ]
 
@@ -86,6 +88,16 @@ def _sent(compressor, grad, residual, world_size):
     else:
         k = math.ceil(Fraction(repr(compressor.density)) * grad.numel())
         index, value = topk_ref.topk_compress_ref(grad, residual, max(1, min(grad.numel(), k)))
+        if compressor.value_dtype == torch.bfloat16:
+            # Sent as bfloat16, rounded to nearest (a finite value clamped to bfloat16's
+            # largest first); what that takes off stays in the residual, where the value
+            # was zeroed; NaN and Inf go as they are and leave 0.
+            largest = torch.finfo(torch.bfloat16).max
+            finite = torch.isfinite(value)
+            sent = torch.where(finite, value.clamp(-largest, largest), value)
+            sent = sent.bfloat16().float()
+            residual[index.long()] = torch.where(finite, value - sent, torch.zeros_like(value))
+            value = sent
     return "pairs", (index.long(), value), residual
 
 
@@ -201,7 +213,8 @@ def test_aggregation_on_three_ranks_is_the_documented_sum_bit_for_bit(cases):
         kind = sents[0][0]
         if kind == "pairs":
             width = max(index.numel() for _, (index, _), _ in sents)
-            wire = 8 * width if width * world_size < numel else 4 * numel
+            pair = 4 + getattr(compressor, "value_dtype", torch.float32).itemsize  # 8 or 6
+            wire = pair * width if width * world_size < numel else 4 * numel
         else:
             wire = (2 if kind == "half" else 4) * numel
         for rank in range(world_size):
@@ -221,6 +234,7 @@ def test_dense_matches_ddp_and_full_density_matches_dense():
 def test_resume_in_new_processes_is_bitwise_equal(tmp_path):
     configs = [
         (sparsecomm.TopK(0.05), "adamw"),
+        (sparsecomm.TopK(0.05, value_dtype=torch.bfloat16), "sgd"),
         (sparsecomm.Threshold(2e-3), "sgd"),
         (sparsecomm.Cast(torch.float16), "sgd"),
         (sparsecomm.Dense(), "adamw"),

@@ -27,6 +27,7 @@ COMPRESSORS = [
     sparsecomm.Threshold(2e-3),
     sparsecomm.TopK(0.05),
     sparsecomm.TopK(0.001),
+    sparsecomm.TopK(0.05, value_dtype=torch.bfloat16),
 ]
 
 
@@ -191,6 +192,8 @@ def test_cuda_ddp_hook_graphs_give_the_bits_of_eager_launches(tmp_path):
 GRAPHED = [
     sparsecomm.TopK(0.05),
     sparsecomm.TopK(0.05, warmup_steps=4),  # k changes for 4 steps: graphs come after
+    # The rounding runs after each replay, on the buffers the bucket has at that step.
+    sparsecomm.TopK(0.05, value_dtype=torch.bfloat16),
     sparsecomm.Cast(torch.bfloat16),
     sparsecomm.Cast(),
 ]
@@ -278,7 +281,11 @@ def test_cuda_ddp_hook_graphs_give_eager_bits(tmp_path):
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        for compressor in (sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16)):
+        for compressor in (
+            sparsecomm.TopK(0.05),
+            sparsecomm.TopK(0.05, value_dtype=torch.bfloat16),
+            sparsecomm.Cast(torch.bfloat16),
+        ):
             ends, states = [], []
             for cuda_graphs in (False, True):
                 end, state = _train_ddp_hook_cuda(compressor, steps=8, cuda_graphs=cuda_graphs)

@@ -17,6 +17,7 @@ COMPRESSORS = [
     sparsecomm.Cast(torch.bfloat16),
     sparsecomm.Threshold(1e-2),
     sparsecomm.TopK(0.1),
+    sparsecomm.TopK(0.1, value_dtype=torch.bfloat16),
 ]
 
 

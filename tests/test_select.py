@@ -122,6 +122,30 @@ def test_the_engine_scores_by_the_optimizers_second_moment(optimizer):
         assert opt._engine.graphs.replays > 0
 
 
+def test_bfloat16_values_chosen_by_adam_conserve_exactly():
+    """On CUDA the choice replays from a CUDA graph and the rounding follows it."""
+    params = two_scales(device=DEVICE)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, eps=1e-6),
+        TopK(0.05, select="adam", value_dtype=torch.bfloat16),
+        min_compress_numel=0,
+    )
+    for step in range(10):
+        accs = []
+        for param, grad in zip(params, grads_at(step, DEVICE)):
+            accs.append(grad + opt.residual(param))
+            param.grad = grad.clone()
+        opt.step()
+        for param, acc in zip(params, accs):  # W = 1: the average is what was sent
+            assert torch.equal(param.grad + opt.residual(param), acc), step
+            sent = param.grad[param.grad != 0]
+            assert torch.equal(sent, sent.bfloat16().float()), step
+        assert opt.last_stats.bytes_sent == 6 * 50
+        opt.zero_grad()
+    if DEVICE == "cuda":
+        assert opt._engine.graphs.replays > 0
+
+
 def test_by_magnitude_the_small_gradients_wait():
     params = two_scales()
     opt = wrapped(list(params), "magnitude")
