@@ -65,7 +65,8 @@ class NonFiniteGradientError(RuntimeError):
         self.too_large = too_large
         what = (
             f"finite gradients on rank(s) {ranks} so large that their sum over the ranks "
-            "would overflow"
+            "would overflow (float32, or the float16 or bfloat16 of a parameter they average "
+            "into)"
             if too_large
             else f"non-finite gradient (NaN or Inf) on rank(s) {ranks}"
         )
@@ -266,6 +267,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._callback_queued = False
         self._synchronized = False  # this step's exchange is done, step() only steps
+        self._backward_task = -1  # autograd's graph task of this step's first gradient hook
         self._no_gradient_anywhere = False  # this step's agreement found no gradient anywhere
         # synchronize()'s GradScaler (False: it was given none; None: not synchronize())
         self._synchronized_by_scaler = None
@@ -765,6 +767,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
             error = _check_params(new_params, start)
         if error is None and self.momentum_correction is not None:
             error = _check_group_momentum(param_group, self.optimizer)
+        eps = param_group.get("eps", self.optimizer.defaults.get("eps", 1.0))
+        if error is None and getattr(self.compressor, "selects_by_adam", False) and not eps > 0:
+            error = ValueError(
+                f"{self.compressor!r} divides by sqrt(exp_avg_sq) + eps, and the new param "
+                f"group has eps={eps} (0 / 0 where nothing was stepped on yet): give it eps > 0 "
+                "(AdamW's default is 1e-8), or use TopK(select='magnitude')"
+            )
         self._raise_agreed(error)
         self._agree_on_model(new_params, start=start)
         residuals = self._residuals_by_position()
@@ -851,32 +860,58 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """Backward hook: ``param.grad`` is complete for this backward pass."""
-        if not self._sync_enabled or self._dropped_here:
+        if self._dropped_here:
             return  # (after drop_step(): the rest of the step's micro-batches count for nothing)
         owner = getattr(param, "_sparsecomm_owner", None)
         if owner is None or owner() is not self:
             return  # a newer CompressedOptimizer wraps this parameter now
+        if self._synchronized:
+            # .grad holds the average now: a gradient added to it would be this rank's alone.
+            raise RuntimeError(
+                "backward ran again after this step's gradients were exchanged and before "
+                "step(). To accumulate gradients over several backward passes, run all but "
+                "the last inside `with opt.no_sync():`" + self._nested_hint()
+            )
+        if not self._sync_enabled:
+            return
         if not self._overlapping:  # the exchange runs in step(): only mark the backward open
             if not self._callback_queued:  # (so that zero_grad() after it raised refuses)
                 queue = torch.autograd.Variable._execution_engine.queue_callback
                 queue(self._end_of_quiet_backward)
                 self._callback_queued = True
+                self._backward_task = torch._C._current_graph_task_id()
             return
-        if self._synchronized:
-            raise RuntimeError(
-                "backward ran again after this step's gradients were exchanged and before "
-                "step(). To accumulate gradients over several backward passes, run all but "
-                "the last inside `with opt.no_sync():`"
-            )
         if not self._callback_queued:
             self._before_exchange()  # before this backward sends anything
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
+            self._backward_task = torch._C._current_graph_task_id()
+        try:
+            if torch.is_grad_enabled():  # backward(create_graph=True)
+                with torch.no_grad():
+                    self._engine.fill_from_hook(param)
+            else:  # (entering no_grad costs more than the rest of a hook)
                 self._engine.fill_from_hook(param)
-        else:  # (entering no_grad costs more than the rest of a hook)
-            self._engine.fill_from_hook(param)
+        except RuntimeError as error:
+            hint = self._nested_hint()
+            if not hint:
+                raise
+            raise RuntimeError(f"{error}{hint}") from None
+
+    def _nested_hint(self) -> str:
+        """Why a gradient came too late, when the backward it belongs to began before the
+        one whose end sent the buckets: autograd numbers its graph tasks as it starts them,
+        so a lower number is an outer backward still running, and the end that sent them
+        was that of a backward nested in it (a reentrant checkpoint's recomputation)."""
+        current = torch._C._current_graph_task_id()
+        if 0 <= current < self._backward_task:
+            return (
+                ". Here the backward still running began before the one that sent them: a "
+                "backward nested in it ended first, as torch.utils.checkpoint(..., "
+                "use_reentrant=True) runs one, and its end looked like the end of this "
+                "step's backward. Checkpoint with use_reentrant=False"
+            )
+        return ""
 
     def _end_of_quiet_backward(self) -> None:
         self._callback_queued = False
@@ -1040,7 +1075,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # host decides from the same float32 sum (slot 0), so it cannot disagree.
         total = flags[0:1]
         torch.sum(flags[1 : 1 + world_size], dim=0, keepdim=True, out=total)
-        refused = total.le(_peak_bound(world_size)).logical_not_()
+        refused = total.le(_peak_bound(world_size, self._engine.narrow)).logical_not_()
         verdict = flags
         if device.type != "cuda":
             return _Agreement(refused, verdict, None)
@@ -1072,7 +1107,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         values = agreement.host.tolist()
         peaks = values[1 : 1 + world_size]
         used = [f > 0 for f in values[1 + 2 * world_size :]]
-        if values[0] <= _peak_bound(world_size):
+        if values[0] <= _peak_bound(world_size, self._engine.narrow):
             return None, used
         dropped = [r for r in range(world_size) if values[1 + world_size + r] > 0]
         if dropped:
@@ -1205,6 +1240,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for position, (saved, param) in enumerate(zip(shared, self._params)):
                 if not torch.is_tensor(saved) or saved.dtype != param.dtype:
                     raise refuse(f"shared parameter {position} must be a {param.dtype} tensor")
+                if saved.shape != param.shape:
+                    raise refuse(
+                        f"shared parameter {position} has shape {tuple(saved.shape)}, its "
+                        f"parameter {tuple(param.shape)}"
+                    )
                 if not bool(torch.isfinite(saved).all()):
                     raise refuse(f"shared parameter {position} holds NaN or Inf")
         saved = ours.get("momentum_correction")
@@ -1396,11 +1436,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return ours
 
 
-def _peak_bound(world_size: int) -> float:
+def _peak_bound(world_size: int, narrow: bool = False) -> float:
     """The largest sum of the ranks' peaks (:meth:`Message.peak`) a step accepts: 1 (their
     sum stays finite), or with one rank any finite float32, whose peak may exceed 1 by
-    :func:`sum_limit`'s margin."""
-    return 1.0 if world_size > 1 else torch.finfo(torch.float32).max
+    :func:`sum_limit`'s margin, unless a bucket holds 16-bit parameters (``narrow``), whose
+    peaks are measured against their dtype's largest value (``_Engine.narrow_factor``)."""
+    return 1.0 if world_size > 1 or narrow else torch.finfo(torch.float32).max
 
 
 @dataclass

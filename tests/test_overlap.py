@@ -2,6 +2,7 @@
 step(), gradient accumulation with no_sync(), a used set that changes between steps and
 ranks, the DDP comm hook in sync and resumed bitwise."""
 
+import contextlib
 import weakref
 
 import _overlap_workers as w
@@ -54,6 +55,56 @@ def test_used_parameters_change_between_steps_and_ranks(compressor):
 def test_backward_twice_before_step_names_no_sync():
     errors = run_ranks(w.backward_twice, 2)
     assert all(e is not None and "no_sync" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("in_no_sync", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_backward_after_synchronize_raises_in_every_mode(overlap, in_no_sync):
+    # After synchronize(), .grad holds the ranks' average: a gradient added to it would be
+    # this rank's alone, and the ranks would step apart. In step()'s exchange mode (the
+    # first step, overlap=False, GradScaler) it was added silently.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), sparsecomm.TopK(0.1), overlap=overlap
+    )
+    for _ in range(2):  # the second step exchanges during backward where overlap is on
+        model(torch.randn(4, 16)).sum().backward()
+        opt.synchronize()
+        with pytest.raises(RuntimeError, match="backward ran again.*no_sync"):
+            with opt.no_sync() if in_no_sync else contextlib.nullcontext():
+                model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_reentrant_checkpoint_raises_naming_use_reentrant_false(reentrant):
+    # The recomputation's backward ends inside the outer one; its end looked like the
+    # step's, which sent the buckets before the layers below the checkpoint had gradients.
+    torch.manual_seed(0)
+    first = torch.nn.Linear(8, 16)
+    block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    params = [*first.parameters(), *block.parameters()]
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(params, lr=0.1), sparsecomm.TopK(0.1), min_compress_numel=0
+    )
+
+    def step():
+        out = torch.utils.checkpoint.checkpoint(
+            block, first(torch.randn(2, 8)), use_reentrant=reentrant
+        )
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the first step exchanges in step(): nothing to tell
+    if reentrant:
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            step()
+    else:
+        step()
+        step()
 
 
 # Where each rank's first backward of step 2 stops: after a layer (some buckets sent, some

@@ -433,6 +433,26 @@ def shared_of(model, opt):
         return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("shape", [(1,), (5,)], ids=["broadcasts", "does-not-broadcast"])
+def test_a_shared_parameter_of_another_shape_is_refused_before_anything_loads(shape):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = local(model)
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    bad = copy.deepcopy(state)
+    bad["sparsecomm"]["shared"][0] = torch.zeros(shape)
+    bad["sparsecomm"]["steps_taken"] = 7
+    before, steps = shared_of(model, opt), opt.steps_taken
+    with pytest.raises(ValueError, match=rf"shared parameter 0 has shape \({shape[0]},\)"):
+        opt.load_state_dict(bad)
+    assert opt.steps_taken == steps
+    assert all(torch.equal(a, b) for a, b in zip(shared_of(model, opt), before))
+
+
 def test_local_updates_on_one_rank_follow_the_wrapped_optimizer():
     """With one rank the shared parameters plus the unsent update are where AdamW alone
     would be (to rounding), while exchange="updates" lags behind by what it has not sent."""

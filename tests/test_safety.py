@@ -207,6 +207,31 @@ def test_finite_gradients_whose_sum_overflows_never_make_parameters_inf(request,
     assert_same_on_every_rank([r["params"] for r in results], "parameters")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_average_beyond_float16_is_refused_for_a_float16_parameter(overlap):
+    # Gradient plus residual lives in float32, so it can outgrow float16 while every value
+    # stays finite there; the average written back into the float16 gradient would be Inf.
+    param = torch.nn.Parameter(torch.zeros(2048, dtype=torch.float16))
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD([param], lr=1e-6), sparsecomm.TopK(0.5), overlap=overlap
+    )
+    grad = torch.full((2048,), 40000.0, dtype=torch.float16)
+    (param * grad).sum().backward()
+    opt.step()  # half sent (40000), half kept: the residual holds 40000
+    opt.zero_grad()
+    kept, start = opt.residual(param), param.detach().clone()
+    (param * grad).sum().backward()  # 80000 to send: beyond float16's 65504
+    with pytest.raises(sparsecomm.NonFiniteGradientError, match="float16") as info:
+        opt.step()
+    assert info.value.too_large and info.value.ranks == [0]
+    assert torch.equal(param.detach(), start) and torch.equal(opt.residual(param), kept)
+    opt.zero_grad()
+    # A quarter of the gradient brings the kept half to 50000, within range: it steps.
+    (param * (grad / 4)).sum().backward()
+    opt.step()
+    assert torch.isfinite(param).all() and not torch.equal(param.detach(), start)
+
+
 # ------------------------------------------------------------------ 12.4 load_state_dict
 
 
