@@ -19,7 +19,8 @@ wrapping the optimizer (``Dense()``, ``Cast(bf16)``, ``Cast(fp16)``, ``TopK(d)``
 (reported as skipped while sparsecomm has no ``ddp_comm_hook``). A sparsecomm row may
 end in options, each after a ``/``: ``/stream`` (the engine's side CUDA stream), ``/noadopt``
 (buckets of one parameter copy their gradient instead of adopting it), ``/nographs``
-(``cuda_graphs=False``), ``/adam`` (``TopK(d, select="adam")``), ``/cap<MiB>``
+(``cuda_graphs=False``), ``/adam`` (``TopK(d, select="adam")``), ``/bf16``
+(``TopK(d, value_dtype=torch.bfloat16)``: 6-byte pairs), ``/cap<MiB>``
 (``bucket_cap_mb``: the optimizer's, or in a ``ddp+sc-`` row DDP's; ``/capinf``: no cap),
 ``/updates`` and ``/local`` (``exchange="updates"`` and ``"local_updates"``), ``/shared``
 (``sparsecomm.SharedMomentAdamW`` with the workload's AdamW settings, in place of AdamW; at
@@ -221,7 +222,7 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
-OPTIONS = ("stream", "noadopt", "nographs", "adam", "updates", "local", "shared")
+OPTIONS = ("stream", "noadopt", "nographs", "adam", "bf16", "updates", "local", "shared")
 
 
 def split_options(name: str) -> tuple[str, set[str]]:
@@ -265,11 +266,14 @@ def make_compressor(name: str) -> sparsecomm.Compressor:
             f"unknown variant {name!r}: use none, DDP, DDP+fp16, Dense(), Cast(bf16), "
             "Cast(fp16), TopK(d), Threshold(t), or ddp+sc-<one of those compressors>"
         )
-    if "adam" in knobs:
-        if match.group(1) != "TopK":
-            raise SystemExit(f"/adam is TopK(select='adam'): {name!r} is not a TopK")
-        return sparsecomm.TopK(float(match.group(2)), select="adam")
-    return getattr(sparsecomm, match.group(1))(float(match.group(2)))
+    topk_knobs = {"adam": {"select": "adam"}, "bf16": {"value_dtype": torch.bfloat16}}
+    settings = {}
+    for knob, setting in topk_knobs.items():
+        if knob in knobs:
+            if match.group(1) != "TopK":
+                raise SystemExit(f"/{knob} is a TopK option ({setting}): {name!r} is not a TopK")
+            settings.update(setting)
+    return getattr(sparsecomm, match.group(1))(float(match.group(2)), **settings)
 
 
 def shared_moment_like(adamw: torch.optim.Optimizer, name: str) -> sparsecomm.SharedMomentAdamW:
