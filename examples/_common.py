@@ -97,6 +97,13 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         "|grad + residual| / (sqrt(max(v, mean v)) + eps): TopK(select='adam') (needs "
         "--optimizer adamw or catchup-adamw)",
     )
+    add(
+        "--topk-values",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the dtype TopK's values travel in: fp32 (8-byte pairs) or bf16 (6-byte pairs, "
+        "the rounding kept in the residual): TopK(value_dtype=...)",
+    )
     add("--threshold", type=float, default=1e-3, help="Threshold magnitude")
     add("--no-error-feedback", action="store_true", help="drop what is not sent")
     add(
@@ -196,6 +203,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
     if args.select == "adam" and args.compressor != "topk":
         parser.error("--select adam picks TopK's coordinates: it needs --compressor topk")
+    if args.topk_values != "fp32" and args.compressor != "topk":
+        parser.error("--topk-values sets how TopK's values travel: it needs --compressor topk")
     if args.momentum_correction and args.exchange != "gradients":
         parser.error(
             f"--momentum-correction works on gradients, not with --exchange {args.exchange}"
@@ -268,8 +277,13 @@ def make_compressor(args: argparse.Namespace) -> sparsecomm.Compressor:
         shape = {"warmup": args.density_warmup_shape}
         if args.density_warmup_shape == "exponential":
             shape["warmup_start"] = max(args.density_warmup_start, args.density)
+        values = torch.bfloat16 if args.topk_values == "bf16" else torch.float32
         return sparsecomm.TopK(
-            density=args.density, warmup_steps=args.density_warmup, select=args.select, **shape
+            density=args.density,
+            warmup_steps=args.density_warmup,
+            select=args.select,
+            value_dtype=values,
+            **shape,
         )
     return sparsecomm.Threshold(args.threshold)
 

@@ -422,6 +422,7 @@ def test_select_adam_needs_an_adam_optimizer_and_gradients():
         ["--density-warmup", "5", "--density-warmup-start", "-1"],
         ["--optimizer", "adamw", "--exchange", "updates", "--refresh-every", "5"],
         ["--optimizer", "shared-moment-adamw", "--exchange", "updates", "--refresh-every", "0"],
+        ["--compressor", "threshold", "--topk-values", "bf16"],
     ],
 )
 def test_flags_that_would_do_nothing_are_refused(flags):
@@ -429,6 +430,16 @@ def test_flags_that_would_do_nothing_are_refused(flags):
     parser = common.make_parser("test")
     with pytest.raises(SystemExit):
         common.check_args(parser, parser.parse_args(flags))
+
+
+def test_topk_values_flag_builds_the_compressor():
+    common = _common()
+    parser = common.make_parser("test")
+    args = parser.parse_args(["--compressor", "topk", "--topk-values", "bf16"])
+    common.check_args(parser, args)
+    assert common.make_compressor(args).value_dtype == torch.bfloat16
+    args = parser.parse_args(["--compressor", "topk"])
+    assert common.make_compressor(args).value_dtype == torch.float32
 
 
 def test_refresh_every_defaults_to_the_optimizers_own():
