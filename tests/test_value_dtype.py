@@ -118,3 +118,28 @@ def test_config_repr_and_checkpoint_agreement():
 def test_other_value_dtypes_are_refused_with_the_choices(dtype):
     with pytest.raises(ValueError, match="torch.float32 .* or torch.bfloat16"):
         TopK(0.01, value_dtype=dtype)
+
+
+def test_with_an_address_table_the_caller_rounds_once(monkeypatch):
+    # A CUDA graph's replay (compress called with `addresses`) may run on buffers that moved
+    # since its capture, so compress leaves the rounding to the caller, who passes the
+    # step's residual to round_message; rounding twice would zero what the first one kept.
+    from sparsecomm import _ops
+
+    topk = _ops.topk_compress
+    monkeypatch.setattr(_ops, "topk_compress", lambda g, r, k, addresses=None: topk(g, r, k))
+    gen = torch.Generator().manual_seed(0)
+    grad, residual = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    expected = grad + residual
+    ours = TopK(0.05, value_dtype=BF16)
+    message = ours.compress(grad, residual, world_size=1, addresses=object())
+    assert not message.rounded
+    assert not torch.equal(message.values, message.values.to(BF16).float())  # float32 still
+    ours.round_message(message, residual)
+    assert message.rounded and torch.equal(message.decode() + residual, expected)
+    kept = residual.clone()
+    ours.round_message(message, residual)  # a no-op now
+    assert torch.equal(residual, kept)
+    plain = TopK(0.05).compress(grad.clone(), None, world_size=1)
+    TopK(0.05).round_message(plain, None)  # float32 values: nothing to do
+    assert not plain.rounded
