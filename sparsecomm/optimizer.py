@@ -794,7 +794,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and this rank's residuals, as tensors and plain
         values only (``torch.load(..., weights_only=True)`` reads it back). Per rank: save
-        one file per rank."""
+        one file per rank. Not between a backward whose exchange is done and ``step()``:
+        the residuals are then this step's and the optimizer's state the step before's."""
+        if self._synchronized and self._refusal is None and not self._dropped_here:
+            raise RuntimeError(
+                "state_dict() between backward() and step(): this step's gradients are "
+                "exchanged and its residuals updated, but the wrapped optimizer has not "
+                "stepped, so a checkpoint now would resume with this step's gradient counted "
+                "twice. Call state_dict() after step() (or before backward())"
+            )
         return {
             "optimizer": self.optimizer.state_dict(),
             "sparsecomm": {

@@ -532,6 +532,25 @@ def test_state_dict_round_trip_with_weights_only_and_resume_is_bitwise():
         assert torch.equal(p, q)
 
 
+def test_state_dict_between_an_exchanged_backward_and_step_is_refused():
+    # The residuals are this step's then, the optimizer's state the step before's: resumed
+    # from there, the step's gradient would count twice.
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), sparsecomm.TopK(0.1)
+    )
+    for step in range(3):
+        model(torch.randn(4, model[0].in_features)).sum().backward()
+        if step == 0:  # the first step exchanges in step(): nothing changed yet
+            opt.state_dict()
+        else:
+            with pytest.raises(RuntimeError, match=r"after step\(\)"):
+                opt.state_dict()
+        opt.step()
+        opt.state_dict()
+        opt.zero_grad()
+
+
 def test_load_state_dict_errors_say_what_differs():
     model = small_model()
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
