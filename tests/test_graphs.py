@@ -82,7 +82,7 @@ def test_a_bucket_keeps_the_graph_of_its_latest_key(monkeypatch):
         for g, r in [(a, b), (b, a), (a, b)]:
             graphs.compress(compressor, g, r, 1, signature, owner=0)
         assert compressor.calls == 2  # eager, captured, replayed
-    assert list(graphs.graphs) == [0] and graphs.graphs[0][0][2] == ("TopK", 30)
+    assert list(graphs.graphs) == [0] and graphs.graphs[0][0][2] == ("TopK", 30, torch.float32)
     assert graphs.captured == 3
     # A key seen once at a time (k changing every step) is never captured.
     once = CompressGraphs()
