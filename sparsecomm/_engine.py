@@ -485,9 +485,10 @@ class BucketEngine:
         self.compress_seconds = 0.0
         #: The bucket whose launch is under way (it raised, if set between launches).
         self.launching: Bucket | None = None
-        #: Per bucket, :meth:`narrow_factor`; and whether any bucket holds 16-bit members.
-        self._narrow: dict[int, float] = {}
-        self.narrow = False
+        #: Per bucket, :func:`_narrow_factor`; and whether any bucket holds 16-bit members
+        #: (with one rank the step's bound on the peaks is then 1).
+        self.narrow_factors = [_narrow_factor(b, comm.world_size) for b in buckets]
+        self.narrow = any(factor != 1.0 for factor in self.narrow_factors)
 
     @property
     def device(self) -> torch.device:
@@ -730,7 +731,7 @@ class BucketEngine:
         world_size = self.comm.world_size
         members = self._members(bucket) if _ops.use_triton(bucket.grad_buffer) else None
         if members is not None:  # the kernels, replayed from a CUDA graph where one serves
-            chooser = AdamChoice(members, compressor.k_for(bucket.numel), compressor.value_dtype)
+            chooser = AdamChoice(members, compressor.k_for(bucket.numel))
             signature = self.graph_signature(bucket, chooser, self.next_launch)
             # (A bucket that accumulates holds grad + residual already.)
             grad, residual = bucket.grad_buffer, None if bucket.accumulates else bucket.residual
@@ -794,36 +795,15 @@ class BucketEngine:
         """A 0-dim float32 tensor on the first bucket's device: the largest
         :meth:`~sparsecomm.compressors.Message.peak` this rank sent in any bucket this step
         (NaN or Inf if it sent one; None without buckets), each bucket's measured against
-        :meth:`narrow_factor`'s tighter limit where it holds 16-bit parameters."""
+        :func:`_narrow_factor`'s tighter limit where it holds 16-bit parameters."""
         peaks = []
-        for bucket in self.buckets:
-            peak, factor = bucket.exchange.peak, self.narrow_factor(bucket)
+        for bucket, factor in zip(self.buckets, self.narrow_factors):
+            peak = bucket.exchange.peak
             peaks.append(peak if factor == 1.0 or peak is None else peak * factor)
         if len(peaks) < 2:
             return peaks[0] if peaks else None
         device = peaks[0].device
         return torch.stack([p.to(device) for p in peaks]).max()  # max propagates NaN
-
-    def narrow_factor(self, bucket: Bucket) -> float:
-        """How many times tighter than float32's the bucket's limit on the ranks' summed
-        peaks is: its average is written into its members' gradients in their own dtype,
-        and an average beyond float16's (or bfloat16's) largest value would become Inf
-        there. The limit is then ``W`` times that largest value (the average is the sum
-        over ``W``), where it is below :func:`sum_limit` of float32; 1.0 for a bucket of
-        float32 members. With one rank the step's bound is 1 as soon as a bucket is
-        narrow (:attr:`narrow`)."""
-        factor = self._narrow.get(id(bucket))
-        if factor is None:
-            world_size = self.comm.world_size
-            wide = sum_limit(torch.float32, world_size)
-            largest = min(
-                (torch.finfo(p.dtype).max for p in bucket.params if p.dtype != torch.float32),
-                default=math.inf,
-            )
-            factor = wide / min(wide, world_size * largest * (1 - 2.0**-20))
-            self._narrow[id(bucket)] = factor
-            self.narrow = self.narrow or factor != 1.0
-        return factor
 
     def finish(self, used: list[bool], skip: torch.Tensor | None = None) -> None:
         """Wait for every bucket, average, commit the new residuals, and hand each used
@@ -962,3 +942,17 @@ def _adoptable(grad: torch.Tensor | None, bucket: Bucket) -> bool:
         return False
     own = (bucket.grad_buffer, bucket.residual, bucket.velocity, bucket.next_velocity)
     return all(t is None or t.data_ptr() != grad.data_ptr() for t in own)
+
+
+def _narrow_factor(bucket: Bucket, world_size: int) -> float:
+    """How many times tighter than float32's the bucket's limit on the ranks' summed peaks
+    is: its average is written into its members' gradients in their own dtype, and an
+    average beyond float16's (or bfloat16's) largest value would become Inf there. The
+    limit is then ``W`` times that largest value (the average is the sum over ``W``), where
+    it is below :func:`sum_limit` of float32; 1.0 for a bucket of float32 members."""
+    wide = sum_limit(torch.float32, world_size)
+    largest = min(
+        (torch.finfo(p.dtype).max for p in bucket.params if p.dtype != torch.float32),
+        default=math.inf,
+    )
+    return wide / min(wide, world_size * largest * (1 - 2.0**-20))

@@ -32,11 +32,10 @@ from .triton_kernels import adam_score as _adam_score
 
 __all__ = ["Compressor", "Dense", "Cast", "Threshold", "TopK"]
 
-# Bytes on the wire per element: dense fp32, and one (int32 index, fp32 value) pair.
+# Bytes on the wire per element of a dense fp32 message (a sparse pair: _Sparse.pair_bytes).
 DENSE_ELEMENT_BYTES = 4
-PAIR_BYTES = 8
 
-# The dtypes a sparse message's values may travel in (TopK(..., values=...)).
+# The dtypes a sparse message's values may travel in (TopK(..., value_dtype=...)).
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
@@ -564,23 +563,20 @@ class AdamChoice(Compressor):
     zeroed there (``triton_kernels.adam_score.adam_topk``), from a CUDA graph where one
     serves. Not a compressor to pass to the optimizer."""
 
-    def __init__(self, members, k: int, value_dtype: torch.dtype = torch.float32):
+    def __init__(self, members, k: int):
         self.members = members
         self.k = k
-        self.value_dtype = value_dtype
 
     def config(self):
         return {"name": "AdamChoice", "k": self.k}
 
     def graph_signature(self, numel):
-        return ("AdamChoice", self.k, self.value_dtype, self.members.signature)
+        return ("AdamChoice", self.k, self.members.signature)
 
     def compress(self, grad, residual, world_size, addresses=None):
         indices, values = _adam_score.adam_topk(grad, residual, self.members, self.k, addresses)
-        message = Message(numel=grad.numel(), values=values, indices=indices, count=self.k)
-        if addresses is None and self.value_dtype != torch.float32:
-            _round_values(message, grad)  # the new residual is in grad (acc, sent zeroed)
-        return message
+        # (16-bit values: the engine rounds them, TopK.round_message, after any replay)
+        return Message(numel=grad.numel(), values=values, indices=indices, count=self.k)
 
 
 @functools.lru_cache(maxsize=4096)

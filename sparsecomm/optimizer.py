@@ -767,13 +767,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             error = _check_params(new_params, start)
         if error is None and self.momentum_correction is not None:
             error = _check_group_momentum(param_group, self.optimizer)
-        eps = param_group.get("eps", self.optimizer.defaults.get("eps", 1.0))
-        if error is None and getattr(self.compressor, "selects_by_adam", False) and not eps > 0:
-            error = ValueError(
-                f"{self.compressor!r} divides by sqrt(exp_avg_sq) + eps, and the new param "
-                f"group has eps={eps} (0 / 0 where nothing was stepped on yet): give it eps > 0 "
-                "(AdamW's default is 1e-8), or use TopK(select='magnitude')"
-            )
+        if error is None:  # the new group, as the wrapped optimizer would fill it in
+            group = {**self.optimizer.defaults, **param_group}
+            error = _check_selection(self.optimizer, self.compressor, self.exchange, [group])
         self._raise_agreed(error)
         self._agree_on_model(new_params, start=start)
         residuals = self._residuals_by_position()
@@ -1560,8 +1556,9 @@ ADAM_FAMILY = (
 )
 
 
-def _check_selection(optimizer, compressor, exchange) -> Exception | None:
-    """The first problem with ``TopK(select="adam")`` and what it goes with."""
+def _check_selection(optimizer, compressor, exchange, new_groups=None) -> Exception | None:
+    """The first problem with ``TopK(select="adam")`` and what it goes with; with
+    ``new_groups``, of those groups about to be added (numbered after the existing ones)."""
     if not getattr(compressor, "selects_by_adam", False):
         return None
     if not isinstance(optimizer, ADAM_FAMILY):
@@ -1570,7 +1567,9 @@ def _check_selection(optimizer, compressor, exchange) -> Exception | None:
             f"which {type(optimizer).__name__} does not keep: wrap torch.optim.AdamW, Adam, "
             "NAdam, RAdam or sparsecomm.CatchUpAdamW, or use TopK(select='magnitude')"
         )
-    zero_eps = [i for i, group in enumerate(optimizer.param_groups) if not group["eps"] > 0]
+    start = len(optimizer.param_groups) if new_groups is not None else 0
+    groups = optimizer.param_groups if new_groups is None else new_groups
+    zero_eps = [start + i for i, group in enumerate(groups) if not group["eps"] > 0]
     if zero_eps:
         return ValueError(
             f"{compressor!r} divides by sqrt(exp_avg_sq) + eps, and param group(s) {zero_eps} "
