@@ -126,7 +126,9 @@ class DDPCommHookState:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals (per parameter) and counters, tensors and plain values
-        only. Per rank: save one file per rank."""
+        only. Per rank: save one file per rank, after ``optimizer.step()`` (or before
+        ``backward()``), with the model and the optimizer: between a backward and the step
+        the residuals are already that step's, the model and optimizer not yet."""
         self._loosen_all()
         return {
             "format": _STATE_FORMAT,

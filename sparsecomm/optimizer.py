@@ -399,7 +399,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._before_exchange()  # the other ranks run it before their exchange: so must this one
         self._drop_pending = False
         if self._steps_first:  # everything happens in step(): its first collective
-            self._refusal = self._agree_gradients_finite(dropped=True)
+            # The same collective the other ranks' step() runs, of the same size: with
+            # an optimizer that takes the averaged gradient, its flags too.
+            self._refusal = self._agree_gradients_finite(dropped=True, due=self._refresh_due())
             self._step_stats = self._refused_stats()
             self._synchronized = self._dropped_here = True
             return

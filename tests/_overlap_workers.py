@@ -35,8 +35,15 @@ def flat(model) -> torch.Tensor:
 
 
 def wrap(model, compressor, **kwargs):
+    """AdamW inside, or ``inner="shared-moment"``: SharedMomentAdamW refreshed every 3rd step
+    (with ``exchange="local_updates"``)."""
+    if kwargs.pop("inner", "adamw") == "shared-moment":
+        inner = sparsecomm.SharedMomentAdamW(model.parameters(), lr=1e-3, refresh_every=3)
+        kwargs.setdefault("exchange", "local_updates")
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return sparsecomm.CompressedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        inner,
         compressor,
         bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01),  # several buckets
         **kwargs,
@@ -155,8 +162,8 @@ def drop_and_retry(
     micro-batches, inside no_sync(), and drop_step() is called after leaving no_sync
     ("after"), inside it ("inside"), or inside it with the accumulation then left
     unfinished and zero_grad() called instead of step() ("inside-zero_grad"). Returns, for
-    the failing run and a clean one: the parameters, the residuals, the ranks the error
-    named, and the skipped steps."""
+    the failing run and a clean one: the (shared) parameters, the residuals, the ranks the
+    error named, the skipped steps and this rank's own parameters."""
     out = []
     for fail in (True, False):
         model = make_model()
@@ -198,7 +205,9 @@ def drop_and_retry(
             opt.step()
             opt.zero_grad()
         residuals = torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()])
-        out.append((flat(model), residuals, named, opt.total_stats.skipped_steps))
+        with opt.shared_parameters():  # (local_updates: the same bits on every rank)
+            shared = flat(model)
+        out.append((shared, residuals, named, opt.total_stats.skipped_steps, flat(model)))
     return out
 
 

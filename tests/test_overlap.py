@@ -141,6 +141,9 @@ def test_drop_step_after_a_failed_backward_keeps_every_rank_in_step(compressor, 
         ({}, "inside"),
         ({}, "inside-zero_grad"),
         ({"exchange": "updates"}, "inside-zero_grad"),
+        ({"inner": "shared-moment"}, None),
+        ({"inner": "shared-moment"}, "inside-zero_grad"),
+        ({"exchange": "local_updates"}, None),
     ],
     ids=[
         "no-overlap",
@@ -149,6 +152,9 @@ def test_drop_step_after_a_failed_backward_keeps_every_rank_in_step(compressor, 
         "inside-no_sync",
         "inside-no_sync-then-zero_grad",
         "updates-inside-no_sync-then-zero_grad",
+        "local-updates-shared-moment",  # its step's agreement carries the refresh's flags
+        "local-updates-shared-moment-inside-no_sync-then-zero_grad",
+        "local-updates",
     ],
 )
 def test_drop_step_in_the_other_exchange_modes_keeps_every_rank_in_step(wrap_kwargs, accumulate):
@@ -162,6 +168,7 @@ def test_drop_step_in_the_other_exchange_modes_keeps_every_rank_in_step(wrap_kwa
         assert torch.equal(failed[0], clean[0]), f"rank {rank}: {_diff(failed[0], clean[0])}"
         assert torch.equal(failed[1], clean[1]), f"rank {rank}: {_diff(failed[1], clean[1])}"
         assert (failed[3], clean[3]) == (1, 0), f"rank {rank}: skipped {failed[3]}, {clean[3]}"
+        assert torch.equal(failed[4], clean[4]), f"rank {rank}: {_diff(failed[4], clean[4])}"
     assert torch.equal(results[0][0][0], results[1][0][0])
 
 
