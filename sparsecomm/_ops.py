@@ -127,6 +127,13 @@ def cast_compress(grad, residual, dtype, scale, limit=None, out=None, addresses=
     return impl(grad, residual, dtype, scale, limit, out)
 
 
+def round_pairs(values, indices, residual, dtype):
+    """A sparse message's values rounded to ``dtype`` in place, the rounding error into
+    ``residual`` at ``indices``: one kernel on CUDA, the torch reference elsewhere."""
+    impl = _pick(values, _cast.round_pairs, _cast.round_pairs_ref, _cast.round_pairs_ref)
+    impl(values, indices, residual, dtype)
+
+
 def scatter_add(indices, values, counts, numel, scale, out=None, skip=None):
     impl = _pick(
         values,

@@ -37,25 +37,16 @@ DENSE_ELEMENT_BYTES = 4
 
 # The dtypes a sparse message's values may travel in (TopK(..., value_dtype=...)).
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
-_BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
-def _round_values(message: Message, residual: torch.Tensor | None) -> None:
-    """Make ``message.values`` what bfloat16 carries, in place, and put what the rounding
+def _round_values(message: Message, residual: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """Make ``message.values`` what ``dtype`` carries, in place, and put what the rounding
     took off into ``residual`` at the sent positions (where the compressor left zeros), so
-    that sent + residual is still ``grad + residual`` bit for bit: ``v - bf16(v)`` is exact
-    in float32. A finite value beyond bfloat16's largest is clamped to it (the excess, less
-    than the value, goes into the residual); NaN and Inf travel as they are, their residual
-    stays 0. Elementwise over the ``count`` pairs: no host synchronisation."""
-    count = message.count
-    values = message.values[:count]
-    finite = torch.isfinite(values)
-    sent = torch.where(finite, values.clamp(-_BF16_MAX, _BF16_MAX), values)
-    sent = sent.to(torch.bfloat16).float()
-    if residual is not None:
-        left = torch.where(finite, values - sent, torch.zeros_like(values))
-        residual.scatter_(0, message.indices[:count].long(), left)
-    values.copy_(sent)
+    that sent + residual is still ``grad + residual`` bit for bit (``round_pairs_ref``
+    in ``triton_kernels/cast.py``: clamped to ``dtype``'s largest, NaN and Inf as they
+    are). Elementwise over the ``count`` pairs: no host synchronisation."""
+    count = message.values.numel() if message.count is None else message.count
+    _ops.round_pairs(message.values[:count], message.indices[:count], residual, dtype)
     message.rounded = True
     message.known_peak = None  # (taken before the rounding, which may raise a magnitude)
 
@@ -794,7 +785,7 @@ class TopK(_Sparse):
 
     def round_message(self, message, residual):
         if self.value_dtype != torch.float32 and not message.rounded:
-            _round_values(message, residual)
+            _round_values(message, residual, self.value_dtype)
 
     def _by_magnitude_only(self) -> None:
         if self.select != "magnitude":

@@ -511,6 +511,30 @@ def test_dispatch_of_cpu_tensors(monkeypatch, name, mode, suffix):
     assert called == [suffix]
 
 
+@pytest.mark.parametrize(
+    "mode, expected",
+    [(None, "round_pairs_ref"), ("torch", "round_pairs_ref")]
+    + ([("triton", "round_pairs")] if INTERPRETED else []),
+)
+def test_dispatch_of_round_pairs(monkeypatch, mode, expected):
+    """A message's pairs are few: on a CPU the reference's torch ops are its path."""
+    from sparsecomm.triton_kernels import cast
+
+    if mode is None:
+        monkeypatch.delenv("SPARSECOMM_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("SPARSECOMM_KERNELS", mode)
+    called = []
+    for name in ["round_pairs", "round_pairs_ref"]:
+        real = getattr(cast, name)
+        monkeypatch.setattr(
+            cast, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a)
+        )
+    values = torch.tensor([1.0 + 2.0**-9, 3.0])
+    _ops.round_pairs(values, torch.tensor([1, 0]), torch.zeros(2), torch.bfloat16)
+    assert called == [expected]
+
+
 def test_dispatch_rejects_unknown_mode(monkeypatch):
     monkeypatch.setenv("SPARSECOMM_KERNELS", "numpy")
     with pytest.raises(ValueError, match="SPARSECOMM_KERNELS"):

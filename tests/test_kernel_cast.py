@@ -23,6 +23,8 @@ from sparsecomm.triton_kernels.cast import (
     cast_compress,
     cast_compress_cpu,
     cast_compress_ref,
+    round_pairs,
+    round_pairs_ref,
 )
 from strategies import gradients
 
@@ -311,3 +313,126 @@ def test_through_addresses_gives_the_direct_bits(dtype, with_residual, n):
         assert torch.equal(residual.view(torch.int32), direct_residual.view(torch.int32))
     with pytest.raises(ValueError, match="takes out="):
         cast_compress(grad, None, dtype, 0.5, None, None, addresses=table)
+
+
+# ---- round_pairs: a sparse message's values rounded to 16 bits, the error into the residual
+
+
+def check_round_pairs(values, indices, residual, dtype):
+    """The kernel against ``round_pairs_ref``: the same bits (in the interpreter, bf16 within
+    one unit and the residual that of the kernel's own value); returns the kernel's values
+    and residual."""
+    got_values, want_values = values.clone(), values.clone()
+    got_residual = None if residual is None else residual.clone()
+    want_residual = None if residual is None else residual.clone()
+    round_pairs(got_values, indices, got_residual, dtype)
+    round_pairs_ref(want_values, indices, want_residual, dtype)
+    if dtype == torch.float16 or not INTERPRETED:
+        assert_same_bits(got_values, want_values, "values")
+        if residual is not None:
+            assert_same_bits(got_residual, want_residual, "residual")
+        return got_values, got_residual
+    checked = ~((values.abs() > 0) & (values.abs() < torch.finfo(torch.float32).tiny))
+    assert_same_bits(got_values.to(dtype)[checked], want_values.to(dtype)[checked], "values", 1)
+    if residual is not None:
+        finite = values.isfinite()
+        expected = residual.clone()
+        expected[indices.long()] = torch.where(finite, values - got_values, 0.0)
+        untouched = torch.ones_like(residual, dtype=torch.bool)
+        untouched[indices.long()[~checked]] = False
+        assert_same_bits(got_residual[untouched], expected[untouched], "residual")
+    return got_values, got_residual
+
+
+@given(
+    values=gradients(max_size=3000),
+    with_residual=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    data=st.data(),
+)
+def test_round_pairs_matches_reference(values, with_residual, dtype, index_dtype, data):
+    count = values.numel()
+    numel = count + data.draw(st.integers(0, 3 * count))
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    order = torch.randperm(numel, generator=torch.Generator().manual_seed(seed))
+    indices = order[:count].to(index_dtype).to(DEVICE)
+    residual = data.draw(gradients(sizes=[numel])).to(DEVICE) if with_residual else None
+    values = values.to(DEVICE)
+    got_values, got_residual = check_round_pairs(values, indices, residual, dtype)
+    # Every value sent is one the 16-bit type carries, and (bfloat16, float32's exponent
+    # range) nothing is lost: a finite value's rounding error is in the residual, exactly.
+    assert torch.equal(got_values.to(dtype).float().nan_to_num(), got_values.nan_to_num())
+    if got_residual is not None and dtype == torch.bfloat16:
+        finite = values.isfinite()
+        left = got_residual[indices.long()]
+        assert torch.equal((got_values + left)[finite], values[finite])
+        assert (left[~finite] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_pairs_adversarial_values(dtype):
+    largest = torch.finfo(dtype).max
+    one_ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    values = torch.tensor(
+        [NAN, INF, -INF, -0.0, 0.0, 3.4028235e38, -3.4028235e38, largest, 1.0 + one_ulp / 2,
+         1.0 + 3 * one_ulp / 2, -(1.0 + one_ulp / 2), 1e-3, -123.456, 1e-45],
+        device=DEVICE,
+    )  # fmt: skip
+    indices = torch.arange(values.numel() - 1, -1, -1, dtype=torch.int32, device=DEVICE)
+    residual = torch.full((values.numel() + 2,), 7.0, device=DEVICE)
+    got, full = check_round_pairs(values, indices, residual, dtype)
+    left = full[indices.long()]
+    assert got[0].isnan() and got[1] == INF and got[2] == -INF  # travel as they are
+    assert (left[:3] == 0).all()
+    assert math.copysign(1.0, got[3].item()) == -1.0 and got[4] == 0.0
+    assert got[5] == largest and got[6] == -largest  # finite: clamped, the excess kept
+    big = torch.tensor(3.4028235e38)
+    assert left[5].cpu() == big - largest and got[7] == largest and left[7] == 0
+    if not (INTERPRETED and dtype == torch.bfloat16):  # (the interpreter truncates bf16)
+        assert got[8:11].tolist() == [1.0, 1.0 + 2 * one_ulp, -1.0]  # ties to even
+    assert (full[values.numel() :] == 7.0).all()  # written at the indices only
+
+
+def test_round_pairs_without_residual_and_empty():
+    values = torch.tensor([1.0 + 2.0**-9, -2.5], device=DEVICE)
+    round_pairs(values, torch.tensor([0, 1], device=DEVICE), None)
+    assert values.to(torch.bfloat16).float().tolist() == values.tolist()
+    round_pairs(torch.empty(0, device=DEVICE), torch.empty(0, dtype=torch.int64), None)
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.int32), None),
+         TypeError, "values must be a 1-D float32"),
+        ((torch.zeros(2), torch.zeros(3, dtype=torch.int32), None), ValueError, "indices must"),
+        ((torch.zeros(2), torch.zeros(2), None), ValueError, "indices must"),
+        ((torch.zeros(2), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.float16)),
+         TypeError, "residual must be float32"),
+        ((torch.zeros(2), torch.zeros(2, dtype=torch.int32), None, torch.float32),
+         TypeError, "dtype must be"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("impl", [round_pairs, round_pairs_ref])
+def test_round_pairs_bad_arguments(impl, args, error, message):
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(error, match=message):
+        impl(*args)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_round_pairs_large_gpu_bit_exact_without_host_synchronisation():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    numel, count = 10**7 + 3, 10**5 + 7
+    values = torch.randn(count, device="cuda", generator=gen) * 1e3
+    indices = torch.randperm(numel, device="cuda", generator=gen)[:count].int()
+    residual = torch.randn(numel, device="cuda", generator=gen)
+    check_round_pairs(values, indices, residual, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        round_pairs(values.clone(), indices, residual, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,4 +1,5 @@
-"""Error-feedback cast to fp16 / bf16, with the rounding error kept as residual."""
+"""Error-feedback cast to fp16 / bf16, with the rounding error kept as residual; and the
+same rounding for the values of a sparse message (``round_pairs``)."""
 
 from __future__ import annotations
 
@@ -231,6 +232,113 @@ def cast_compress_cpu(
             if infinite is not None:
                 acc.masked_fill_(infinite, 0.0)
     return half
+
+
+@triton.jit
+def _round_pairs_kernel(
+    values_ptr,
+    indices_ptr,
+    residual_ptr,
+    count,
+    LIMIT: tl.constexpr,
+    FLOAT32_MAX: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    in_bounds = offsets < count
+    value = tl.load(values_ptr + offsets, mask=in_bounds, other=0.0)
+    finite = tl.abs(value) <= FLOAT32_MAX  # false for NaN and for either infinity
+    clamped = tl.where(value > LIMIT, LIMIT, tl.where(value < -LIMIT, -LIMIT, value))
+    # fp32 -> bf16/fp16 rounds to nearest even, like torch's .to(dtype); NaN and Inf go
+    # through as themselves.
+    sent = tl.where(finite, clamped, value).to(HALF).to(tl.float32)
+    tl.store(values_ptr + offsets, sent, mask=in_bounds)
+    if HAS_RESIDUAL:
+        index = tl.load(indices_ptr + offsets, mask=in_bounds, other=0).to(tl.int64)
+        tl.store(residual_ptr + index, tl.where(finite, value - sent, 0.0), mask=in_bounds)
+
+
+def round_pairs(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Fused Triton version of :func:`round_pairs_ref`, the same bits, in one launch.
+
+    Args and effects: as :func:`round_pairs_ref`; CUDA tensors (or any device under
+    ``TRITON_INTERPRET=1``).
+    """
+    limit = _check_pairs(values, indices, residual, dtype)
+    count = values.numel()
+    if count == 0:
+        return
+    grid = (triton.cdiv(count, BLOCK_SIZE),)
+    _round_pairs_kernel[grid](
+        values,
+        indices,
+        residual if residual is not None else values,  # never touched without HAS_RESIDUAL
+        count,
+        LIMIT=limit,
+        FLOAT32_MAX=torch.finfo(torch.float32).max,
+        HALF=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
+
+
+def round_pairs_ref(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Round a sparse message's float32 ``values`` to what ``dtype`` carries, in place, and
+    write what the rounding took off into ``residual`` at ``indices`` (where the compressor
+    left zeros), so that the values sent plus the residual are still ``grad + residual``
+    bit for bit: with bfloat16 (float32's exponent range) ``v - half(v)`` is exact in
+    float32.
+
+    A finite value beyond ``dtype``'s largest is clamped to it first (the excess goes into
+    the residual); NaN and Inf travel as they are, and their residual stays 0. Elementwise
+    over the pairs: no host synchronisation. (Also the CPU path: a message holds ``k``
+    pairs, a small share of its bucket.)
+
+    Args:
+        values: 1-D float32 tensor of the pairs' values, rounded in place.
+        indices: int32 or int64 tensor of the pairs' indices into ``residual``, as long as
+            ``values``, each index at most once.
+        residual: float32 tensor, written at ``indices`` only; ``None`` without error
+            feedback.
+        dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
+    """
+    limit = _check_pairs(values, indices, residual, dtype)
+    finite = torch.isfinite(values)
+    sent = torch.where(finite, values.clamp(-limit, limit), values).to(dtype).float()
+    if residual is not None:
+        left = torch.where(finite, values - sent, torch.zeros_like(values))
+        residual.scatter_(0, indices.long(), left)
+    values.copy_(sent)
+
+
+def _check_pairs(values, indices, residual, dtype) -> float:
+    limit = check_cast_args(dtype, 1.0)
+    if values.dtype != torch.float32 or values.dim() != 1:
+        raise DtypeError(
+            f"values must be a 1-D float32 tensor, got {values.dtype} of {values.dim()} dims"
+        )
+    if indices.shape != values.shape or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"indices must be an int32 or int64 tensor shaped like values {tuple(values.shape)}, "
+            f"got {indices.dtype} {tuple(indices.shape)}"
+        )
+    if residual is not None and residual.dtype != torch.float32:
+        raise DtypeError(f"residual must be float32, got {residual.dtype}")
+    return limit
 
 
 def _half_out(out: torch.Tensor | None, n: int, dtype: torch.dtype, device) -> torch.Tensor:
