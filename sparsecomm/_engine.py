@@ -58,7 +58,7 @@ import torch
 
 from . import _ops
 from ._comm import Communicator
-from .compressors import AdamChoice, Compressor, Dense, Exchange, Message, sum_limit
+from .compressors import AdamChoice, Compressor, Dense, Exchange, Message
 from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
 from .triton_kernels import _indirect
 from .triton_kernels import adam_score as _adam_score
@@ -485,10 +485,11 @@ class BucketEngine:
         self.compress_seconds = 0.0
         #: The bucket whose launch is under way (it raised, if set between launches).
         self.launching: Bucket | None = None
-        #: Per bucket, :func:`_narrow_factor`; and whether any bucket holds 16-bit members
-        #: (with one rank the step's bound on the peaks is then 1).
-        self.narrow_factors = [_narrow_factor(b, comm.world_size) for b in buckets]
-        self.narrow = any(factor != 1.0 for factor in self.narrow_factors)
+        #: Per bucket, the largest finite value of its narrowest member dtype (inf: all
+        #: float32); and whether any bucket holds 16-bit members (with one rank the step's
+        #: bound on the peaks is then 1).
+        self.narrowest = [_narrowest(b) for b in buckets]
+        self.narrow = any(math.isfinite(largest) for largest in self.narrowest)
 
     @property
     def device(self) -> torch.device:
@@ -797,8 +798,11 @@ class BucketEngine:
         (NaN or Inf if it sent one; None without buckets), each bucket's measured against
         :func:`_narrow_factor`'s tighter limit where it holds 16-bit parameters."""
         peaks = []
-        for bucket, factor in zip(self.buckets, self.narrow_factors):
-            peak = bucket.exchange.peak
+        world_size = self.comm.world_size
+        for bucket, largest in zip(self.buckets, self.narrowest):
+            exchange = bucket.exchange
+            factor = _narrow_factor(exchange.peak_limit, largest, world_size)
+            peak = exchange.peak
             peaks.append(peak if factor == 1.0 or peak is None else peak * factor)
         if len(peaks) < 2:
             return peaks[0] if peaks else None
@@ -944,15 +948,23 @@ def _adoptable(grad: torch.Tensor | None, bucket: Bucket) -> bool:
     return all(t is None or t.data_ptr() != grad.data_ptr() for t in own)
 
 
-def _narrow_factor(bucket: Bucket, world_size: int) -> float:
-    """How many times tighter than float32's the bucket's limit on the ranks' summed peaks
-    is: its average is written into its members' gradients in their own dtype, and an
-    average beyond float16's (or bfloat16's) largest value would become Inf there. The
-    limit is then ``W`` times that largest value (the average is the sum over ``W``), where
-    it is below :func:`sum_limit` of float32; 1.0 for a bucket of float32 members."""
-    wide = sum_limit(torch.float32, world_size)
-    largest = min(
+def _narrowest(bucket: Bucket) -> float:
+    """The largest finite value of the bucket's narrowest member dtype; inf if all its
+    members are float32."""
+    return min(
         (torch.finfo(p.dtype).max for p in bucket.params if p.dtype != torch.float32),
         default=math.inf,
     )
-    return wide / min(wide, world_size * largest * (1 - 2.0**-20))
+
+
+def _narrow_factor(peak_limit: float, largest: float, world_size: int) -> float:
+    """How many times tighter than ``peak_limit`` (``Exchange.peak_limit``: the ranks'
+    summed peaks, times it, bound the sum over the ranks in the average's units) the
+    bucket's limit is: its average, that sum over ``W``, is written into its members'
+    gradients in their own dtype, where beyond ``largest`` (float16's or bfloat16's
+    largest value) it would become Inf. 1.0 for a bucket of float32 members, or where the
+    message's own limit is the tighter one (a float16 ``Cast`` of float16 parameters on
+    two ranks)."""
+    if not math.isfinite(largest):
+        return 1.0
+    return peak_limit / min(peak_limit, world_size * largest * (1 - 2.0**-20))

@@ -145,6 +145,10 @@ class Exchange:
         counts: pairs per rank (sparse messages), ``None`` when fixed or dense.
         width: pairs per rank in the gathered payload (0 for a dense exchange).
         peak: :meth:`Message.peak` of this rank's message (None when not checked).
+        peak_limit: what ``peak`` is a fraction of, in the units of the average times the
+            world size: :func:`sum_limit` of the dtype it was measured in, over the
+            message's ``scale`` (the ranks' peaks summed, times this, bound the magnitude of
+            the sum the average divides by the world size).
     """
 
     message: Message
@@ -157,6 +161,7 @@ class Exchange:
     #: True when the exchange is an all-reduce of dense values (also a sparse message
     #: that switched to dense because that moves fewer bytes).
     dense: bool = False
+    peak_limit: float = 0.0
 
     @property
     def nonfinite(self) -> torch.Tensor | None:
@@ -286,14 +291,12 @@ def _start_all_reduce(
     # Before the sum overwrites this rank's values. A message's own values may have their
     # peak measured already (inside the CUDA graph that compressed them).
     peak = None
+    own = dense is message.values
     if check:
-        peak = (
-            message.peak(comm.world_size)
-            if dense is message.values
-            else _peak(dense, comm.world_size)
-        )
+        peak = message.peak(comm.world_size) if own else _peak(dense, comm.world_size)
+    limit = sum_limit(dense.dtype, comm.world_size) / (message.scale if own else 1.0)
     work = comm.start_all_reduce_(dense)
-    return Exchange(message, work, dense, comm, peak=peak, dense=True)
+    return Exchange(message, work, dense, comm, peak=peak, dense=True, peak_limit=limit)
 
 
 def _peak(dense: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -453,6 +456,7 @@ class _Sparse(Compressor):
             return Exchange(
                 message, None, None, comm, width=count,
                 peak=message.peak(world_size) if check else None,
+                peak_limit=sum_limit(message.values.dtype, world_size),
             )  # fmt: skip
         counts = self._gather_counts(message, comm)
         width = max(counts)
@@ -471,6 +475,7 @@ class _Sparse(Compressor):
         return Exchange(
             message, work, gathered, comm, counts=None if fixed else counts, width=width,
             peak=message.peak(world_size) if check else None,
+            peak_limit=sum_limit(message.values.dtype, world_size),
         )  # fmt: skip
 
     def finish(self, exchange, out, skip=None):

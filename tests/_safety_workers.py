@@ -448,6 +448,34 @@ def sum_overflow(rank, world_size, group):
     return out
 
 
+HALF_PARAMS_COMPRESSORS = ("fp16", "bf16", "dense", "topk")
+
+
+def half_params(rank, world_size, group):
+    """float16 and bfloat16 parameters under every compressor, gradients of about 1e-2 and
+    one of 30000 (within float16's range, as is every average): every step is taken (a
+    float16 Cast's own limit was once compared as if it were float32's, and every step
+    refused as too large), on every rank the same."""
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for name in HALF_PARAMS_COMPRESSORS:
+            weight = torch.nn.Parameter(torch.zeros(3000, dtype=dtype))
+            opt = sparsecomm.CompressedOptimizer(
+                torch.optim.SGD([weight], lr=1e-3), make_compressor(name),
+                min_compress_numel=0, process_group=group,
+            )  # fmt: skip
+            outcomes = []
+            for step in range(2):
+                gen = torch.Generator().manual_seed(10 * rank + step)
+                grad = torch.randn(3000, generator=gen) * 1e-2
+                grad[7] = 30000.0
+                backward_with({weight: grad.to(dtype)})
+                outcomes.append(attempt(opt.step, sparsecomm.NonFiniteGradientError))
+                opt.zero_grad()
+            out[f"{dtype}-{name}"] = {"outcomes": outcomes, "params": flat([weight]).float()}
+    return out
+
+
 ZERO_ELEMENT_COMPRESSORS = ("topk", "threshold", "fp16", "bf16", "dense")
 
 
@@ -614,6 +642,7 @@ SCENARIOS = {
     "overflow_grad_scaler": overflow_grad_scaler,
     "nan_residual": nan_residual,
     "sum_overflow": sum_overflow,
+    "half_params": half_params,
     "zero_element": zero_element,
     "no_cap": no_cap,
     "unused_residual": unused_residual,

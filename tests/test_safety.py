@@ -207,6 +207,16 @@ def test_finite_gradients_whose_sum_overflows_never_make_parameters_inf(request,
     assert_same_on_every_rank([r["params"] for r in results], "parameters")
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_16_bit_parameters_step_under_every_compressor(request, world_size):
+    results = scenario(request, "half_params", world_size)
+    for case in results[0]:
+        for rank, result in enumerate(results):
+            outcomes = result[case]["outcomes"]
+            assert outcomes == [("ok", None)] * 2, f"rank {rank}, {case}: {outcomes}"
+        assert_same_on_every_rank([r[case]["params"] for r in results], case)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_an_average_beyond_float16_is_refused_for_a_float16_parameter(overlap):
     # Gradient plus residual lives in float32, so it can outgrow float16 while every value
