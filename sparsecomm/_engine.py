@@ -213,12 +213,9 @@ def build_buckets(
         param = params[position]
         if not param.requires_grad:
             continue
-        if param.numel() > MAX_BUCKET_NUMEL:
-            raise ValueError(
-                f"parameter {position} has {param.numel()} elements, more than a bucket can "
-                f"hold ({MAX_BUCKET_NUMEL}, the int32 index limit); split it into smaller "
-                "parameters"
-            )
+        too_large = too_large_for_a_bucket(position, param)
+        if too_large is not None:
+            raise too_large
         compressed = param.numel() >= min_compress_numel
         key = (param.device, compressed)
         bucket = open_buckets.get(key)
@@ -235,6 +232,17 @@ def build_buckets(
             bucket.next_velocity = torch.zeros_like(bucket.grad_buffer)
         bucket.reset()
     return buckets
+
+
+def too_large_for_a_bucket(position: int, param: torch.Tensor) -> ValueError | None:
+    """The error for a parameter that needs a gradient and has more elements than a
+    bucket may hold; None for any other."""
+    if not param.requires_grad or param.numel() <= MAX_BUCKET_NUMEL:
+        return None
+    return ValueError(
+        f"parameter {position} has {param.numel()} elements, more than a bucket can hold "
+        f"({MAX_BUCKET_NUMEL}, the int32 index limit); split it into smaller parameters"
+    )
 
 
 def cap_numel(bucket_cap_mb: float, element_bytes: int) -> int:

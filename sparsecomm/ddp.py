@@ -360,9 +360,11 @@ def ddp_comm_hook(
 
     Warning:
         Under ``torch.amp.GradScaler`` the hook sees scaled gradients, so residuals are
-        kept in scaled units; a changing scale rescales what they hold. Use
-        :class:`sparsecomm.CompressedOptimizer`, which keeps residuals unscaled, for fp16
-        training with a loss scale.
+        kept in scaled units; a changing scale rescales what they hold, and a step that
+        the scaler skips (a rank sent Inf) has taken what the other ranks sent out of their
+        residuals all the same. Use :class:`sparsecomm.CompressedOptimizer`, which keeps
+        residuals unscaled and refuses such a step with nothing changed, for fp16 training
+        with a loss scale.
     """
     state = DDPCommHookState(
         compressor,

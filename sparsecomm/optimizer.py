@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from ._comm import Communicator
-from ._engine import BucketEngine, _unflatten, build_buckets, cap_numel, reallocation_is_free
+from ._engine import (
+    BucketEngine,
+    _unflatten,
+    build_buckets,
+    cap_numel,
+    reallocation_is_free,
+    too_large_for_a_bucket,
+)
 from ._stats import StepStats
 from .catchup import CatchUpAdamW
 from .compressors import DENSE_ELEMENT_BYTES, Compressor, Threshold, TopK
@@ -677,8 +684,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """``exchange="local_updates"``: inside, the parameters are the shared ones (the
         same bits on every rank); on leaving, each rank's own again. Evaluate the model and
         save it inside: ``with opt.shared_parameters(): evaluate(model);
-        torch.save(model.state_dict(), path)``. With another exchange the parameters are
-        shared already, and this does nothing."""
+        torch.save(model.state_dict(), path)``. Change the parameters inside too (load
+        weights, clamp, re-initialise; on every rank alike): what a parameter holds on
+        leaving becomes its shared value, and this rank's own is that plus its unsent
+        update. (Outside, each step sets every parameter from the shared ones and the
+        residual, so a change made there is lost.) With another exchange the parameters
+        are shared already, and this does nothing."""
         if self._shared is None:
             yield
             return
@@ -690,8 +701,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             yield
         finally:
             with torch.no_grad():
-                for param, mine in zip(self._params, local):
-                    param.copy_(mine)
+                changed = False
+                for param, shared in zip(self._params, self._shared):
+                    if not torch.equal(param, shared):
+                        shared.copy_(param)
+                        changed = True
+                if changed:
+                    self._write_local()
+                else:
+                    for param, mine in zip(self._params, local):
+                        param.copy_(mine)
 
     def _agree_gradients_finite(
         self, dropped: bool, due: bool | None = None
@@ -754,9 +773,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._ready:  # called by torch.optim.Optimizer.__init__ for existing groups
             super().add_param_group(param_group)
             return
-        self._check_frozen()  # a parameter unfrozen since has no hook: wrap again instead
         start = len(self._params)
-        new_params, error = _group_params(param_group, self._params)
+        # A parameter unfrozen since wrapping has no hook: wrap again instead.
+        error = self._unfrozen_error()
+        new_params = []
+        if error is None:
+            new_params, error = _group_params(param_group, self._params)
         if error is None and (self._synchronized or self._engine.in_progress()):
             # The new parameters' gradients of this step were not exchanged: the wrapped
             # optimizer would step them on each rank's own, and the ranks would drift apart.
@@ -772,12 +794,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if error is None:  # the new group, as the wrapped optimizer would fill it in
             group = {**self.optimizer.defaults, **param_group}
             error = _check_selection(self.optimizer, self.compressor, self.exchange, [group])
-        self._raise_agreed(error)
-        self._agree_on_model(new_params, start=start)
+        added = False
+        if error is None:
+            # The wrapped optimizer's own checks (its hyperparameters, leaf tensors) run
+            # before the ranks agree too, and the group comes out again wherever another
+            # rank refused it. (The list, not the caller's iterator, which reading it has
+            # used up.)
+            try:
+                self.optimizer.add_param_group({**param_group, "params": new_params})
+                added = True
+            except Exception as refused:  # noqa: BLE001 (agreed on, then raised everywhere)
+                error = refused
+        try:
+            self._raise_agreed(error)
+            self._agree_on_model(new_params, start=start)
+        except BaseException:
+            if added:
+                self.optimizer.param_groups.pop()
+            raise
         residuals = self._residuals_by_position()
         velocities = self._velocities_by_position()
-        # The list, not the caller's iterator, which reading it has used up.
-        self.optimizer.add_param_group({**param_group, "params": new_params})
         self._params = self._all_params()
         self._frozen = _frozen_positions(self._params)
         for param in self._params[start:]:
@@ -794,7 +830,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         values only (``torch.load(..., weights_only=True)`` reads it back). Per rank: save
         one file per rank. Not between a backward whose exchange is done and ``step()``:
         the residuals are then this step's and the optimizer's state the step before's."""
-        if self._synchronized and self._refusal is None and not self._dropped_here:
+        if self._exchanged_not_stepped():
             raise RuntimeError(
                 "state_dict() between backward() and step(): this step's gradients are "
                 "exchanged and its residuals updated, but the wrapped optimizer has not "
@@ -835,7 +871,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         warm-up goes on where it was) and the statistics, and starts with empty residuals
         (and momentum-correction velocities): the gradient they held, not sent yet, is
         dropped. Every rank may load the same file (rank 0's, say). The parameters must
-        still be the ones saved."""
+        still be the ones saved. Not between a backward whose exchange is done and
+        ``step()``, which would apply that step's average to the loaded state."""
+        if self._exchanged_not_stepped():
+            raise RuntimeError(
+                "load_state_dict() between backward() and step(): this step's gradients are "
+                "exchanged already, and step() would apply their average to the loaded "
+                "state. Load before backward() (or after step(), or zero_grad())"
+            )
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
@@ -854,6 +897,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 for mine, saved in zip(self._shared, ours["shared"]):
                     mine.copy_(saved)
                 self._write_local()
+
+    def _exchanged_not_stepped(self) -> bool:
+        """Whether this step's exchange is done (and not refused or dropped) and the
+        wrapped optimizer has not stepped yet."""
+        return self._synchronized and self._refusal is None and not self._dropped_here
 
     def __repr__(self) -> str:
         return (
@@ -996,10 +1044,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Raise, before anything is sent, if a parameter that did not require grad when
         it was wrapped requires it now: it has no hook and no bucket, so its gradient would
         stay this rank's own and the ranks' parameters would drift apart."""
+        error = self._unfrozen_error()
+        if error is not None:
+            raise error
+
+    def _unfrozen_error(self) -> RuntimeError | None:
+        """:meth:`_check_frozen`'s error, or None."""
         for position in self._frozen:
             param = self._params[position]
             if param.requires_grad:
-                raise RuntimeError(
+                return RuntimeError(
                     f"parameter {position} ({_describe(_entry(param))}) did not require grad "
                     "when CompressedOptimizer wrapped it and requires it now, so its gradient "
                     "would not be exchanged. After changing requires_grad, wrap the optimizer "
@@ -1007,6 +1061,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     "opt = sparsecomm.CompressedOptimizer(opt.optimizer, ...the same "
                     "arguments...); opt.load_state_dict(state)`"
                 )
+        return None
 
     def _finish_step(self, skipped: bool) -> None:
         stats = self._step_stats
@@ -1514,6 +1569,9 @@ def _check_params(params: list, start: int) -> Exception | None:
                 "materialize the model first (e.g. model.to_empty(device=...) and initialize "
                 "it) and then wrap its optimizer"
             )
+        too_large = too_large_for_a_bucket(start + offset, param)
+        if too_large is not None:
+            return too_large
     return None
 
 

@@ -142,7 +142,9 @@ def one_rank_differs(rank, world_size, case: str, bad_rank: int):
         sparsecomm.TopK(0.1)), rank, 0,
     )  # fmt: skip
     opt = None
-    if case == "add_group_float64":
+    if case == "add_group_unfrozen":  # the last layer frozen when wrapped
+        model[2].weight.requires_grad_(False)
+    if case.startswith("add_group"):
         opt = sparsecomm.CompressedOptimizer(
             torch.optim.SGD(params, lr=0.05), sparsecomm.TopK(0.1), bucket_cap_mb=0.01
         )
@@ -165,6 +167,16 @@ def one_rank_differs(rank, world_size, case: str, bad_rank: int):
         )
     elif case == "add_group_float64":
         outcome = attempt(lambda: opt.add_param_group({"params": [odd]}))
+    elif case == "add_group_non_leaf":  # refused by the wrapped optimizer, on one rank
+        new = torch.zeros(30, requires_grad=True)
+        new = new * 1.0 if bad else new
+        outcome = attempt(lambda: opt.add_param_group({"params": [new]}))
+    elif case == "add_group_unfrozen":  # the frozen layer unfrozen on one rank only
+        if bad:
+            model[2].weight.requires_grad_(True)
+        new = torch.nn.Parameter(torch.zeros(30))
+        outcome = attempt(lambda: opt.add_param_group({"params": [new]}), Exception)
+        model[2].weight.requires_grad_(False)  # as on the other rank: training goes on
     else:
         raise ValueError(case)
     seconds = time.monotonic() - started

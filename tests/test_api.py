@@ -551,6 +551,26 @@ def test_state_dict_between_an_exchanged_backward_and_step_is_refused():
         opt.zero_grad()
 
 
+def test_load_state_dict_between_an_exchanged_backward_and_step_is_refused():
+    # step() would apply the exchanged average on top of the loaded state.
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), sparsecomm.TopK(0.1)
+    )
+    for _ in range(2):
+        model(torch.randn(4, model[0].in_features)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    model(torch.randn(4, model[0].in_features)).sum().backward()  # exchanged in backward
+    kept = [opt.residual(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"Load before backward\(\)"):
+        opt.load_state_dict(saved)
+    assert all(torch.equal(opt.residual(p), r) for p, r in zip(model.parameters(), kept))
+    opt.zero_grad()  # leaves the step: loading works again
+    opt.load_state_dict(saved)
+
+
 def test_load_state_dict_errors_say_what_differs():
     model = small_model()
     opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))

@@ -516,6 +516,37 @@ def test_shared_parameters_swaps_in_and_back_bit_for_bit():
         )
 
 
+def test_local_updates_keep_a_change_made_inside_shared_parameters():
+    """Loading weights or clamping after wrapping: inside ``shared_parameters()`` the change
+    becomes the shared value (each rank's own: that plus its unsent update) and lasts;
+    outside, the next step sets the parameter from the shared one again."""
+    model = model_of()
+    opt = local(model)
+    for step in range(3):
+        step_on(model, opt, step)
+    weight = model[0].weight
+    residual = opt.residual(weight)
+    assert residual.abs().sum() > 0  # an unsent update to keep
+    rest = [p for p in model.parameters() if p is not weight]
+    others = [p.detach().clone() for p in rest]
+    with opt.shared_parameters():
+        with torch.no_grad():
+            weight.fill_(0.5)
+    assert torch.equal(weight.detach(), torch.full_like(weight, 0.5) - residual)
+    assert torch.equal(shared_of(model, opt)[0], torch.full_like(weight, 0.5))
+    assert all(torch.equal(p, q) for p, q in zip(rest, others))  # back as they were
+    # Steps that update nothing (lr 0, and AdamW's decay is scaled by lr) keep a rank's own
+    # parameters where they are (to rounding: the residual's sent part moves into shared).
+    opt.param_groups[0]["lr"] = 0.0
+    edited = weight.detach().clone()
+    step_on(model, opt, 3)
+    torch.testing.assert_close(weight.detach(), edited, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        weight.fill_(-2.0)  # outside: lost at the next step
+    step_on(model, opt, 4)
+    torch.testing.assert_close(weight.detach(), edited, rtol=0, atol=1e-6)
+
+
 def test_local_updates_refused_step_changes_nothing():
     model = model_of()
     opt = local(model)

@@ -94,6 +94,20 @@ def scenario(request, name: str, world_size: int) -> list:
             "float64",
             id="add_param_group-float64-on-rank-0",
         ),
+        pytest.param(
+            "add_group_non_leaf",
+            1,
+            ("ValueError",),
+            "leaf",
+            id="add_param_group-refused-by-the-wrapped-optimizer-on-rank-1",
+        ),
+        pytest.param(
+            "add_group_unfrozen",
+            0,
+            ("RuntimeError",),
+            "wrap the optimizer again",
+            id="add_param_group-with-a-parameter-unfrozen-on-rank-0",
+        ),
     ],
 )
 def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank_promptly(
@@ -132,6 +146,23 @@ def test_refused_add_param_group_changes_nothing_and_ranks_stay_in_sync(request,
         assert result["groups"] == (1, 1), f"rank {rank}: param_groups went {result['groups']}"
         assert result["unchanged"], f"rank {rank}: the refused call changed the state"
     assert_same_on_every_rank([r["params"] for r in results], "parameters after the next step")
+
+
+def test_add_param_group_refuses_a_parameter_too_large_for_a_bucket_before_changing_anything(
+    monkeypatch,
+):
+    monkeypatch.setattr(sparsecomm._engine, "MAX_BUCKET_NUMEL", 100)
+    small = torch.nn.Parameter(torch.ones(50))
+    opt = sparsecomm.CompressedOptimizer(torch.optim.SGD([small], lr=0.1), sparsecomm.TopK(0.1))
+    big = torch.nn.Parameter(torch.ones(200))
+    with pytest.raises(ValueError, match="more than a bucket can hold"):
+        opt.add_param_group({"params": [big]})
+    assert len(opt.optimizer.param_groups) == 1 and len(opt._params) == 1
+    (small.sum() + big.sum()).backward()
+    opt.step()  # big is in no group: stepped by nobody, exchanged by nobody
+    assert torch.equal(big.detach(), torch.ones(200)) and not torch.equal(small, torch.ones(50))
+    with pytest.raises(ValueError, match="more than a bucket can hold"):
+        sparsecomm.CompressedOptimizer(torch.optim.SGD([small, big], lr=0.1), sparsecomm.TopK(0.1))
 
 
 def test_add_param_group_between_backward_and_step_is_refused_everywhere(request, world_size):
