@@ -405,6 +405,16 @@ def _config_for_resume(args: argparse.Namespace, world_size: int) -> dict:
         config["accumulate"] = args.accumulate
     if getattr(args, "select", "magnitude") != "magnitude":  # (absent from older checkpoints)
         config["select"] = args.select
+    # Absent from older checkpoints too, so kept only where they differ from the default:
+    # what the compressor, its schedule and the optimizer's groups were built with.
+    for key, default in (
+        ("topk_values", "fp32"),
+        ("density_warmup_start", 0.25),
+        ("refresh_every", None),
+        ("weight_decay", 0.0),
+    ):
+        if getattr(args, key, default) != default:
+            config[key] = getattr(args, key)
     config["world_size"] = world_size
     return config
 

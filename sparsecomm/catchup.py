@@ -129,6 +129,8 @@ class CatchUpAdamW(torch.optim.Optimizer):
         dtype, and a bf16 ``last_step`` would lose step numbers above 256. A state without
         ``CatchUpAdamW``'s keys (another optimizer's) is refused before anything changes."""
         for index, saved in state_dict["state"].items():
+            if not saved:  # (an empty entry: a parameter never stepped, looked up since)
+                continue
             missing = [k for k in ("step", "exp_avg", "exp_avg_sq", "last_step") if k not in saved]
             if missing:
                 raise ValueError(

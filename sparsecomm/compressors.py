@@ -460,10 +460,10 @@ class _Sparse(Compressor):
             )  # fmt: skip
         counts = self._gather_counts(message, comm)
         width = max(counts)
-        # An all-gather of `width` pairs from each rank moves (W-1) * width * 8 bytes per
-        # rank; a ring all-reduce of the dense bucket 2 (W-1) / W * 4 * numel. All ranks
-        # know every count, so they all switch to dense together.
-        if width * world_size >= numel:
+        # An all-gather of `width` pairs from each rank moves (W-1) * width * pair_bytes
+        # bytes per rank; a ring all-reduce of the dense bucket 2 (W-1) / W * 4 * numel.
+        # All ranks know every count, so they all switch to dense together.
+        if width * world_size * self.pair_bytes >= 2 * DENSE_ELEMENT_BYTES * numel:
             return _start_all_reduce(message.decode(), comm, message, check)
         if message.known_count() == width and self.value_dtype == torch.float32:
             payload = torch.cat([message.indices[:width], message.values[:width].view(torch.int32)])

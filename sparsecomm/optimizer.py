@@ -260,6 +260,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._shared = (
             [p.detach().clone() for p in self._params] if exchange == "local_updates" else None
         )
+        self._loads = 0  # load_state_dict() calls: shared_parameters() looks for one inside
         # exchange="updates" and "local_updates": where each parameter's value before the
         # wrapped optimizer's step is copied, kept between steps where reallocating is not
         # free (a CPU); elsewhere the memory serves the next forward pass in between.
@@ -687,9 +688,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         torch.save(model.state_dict(), path)``. Change the parameters inside too (load
         weights, clamp, re-initialise; on every rank alike): what a parameter holds on
         leaving becomes its shared value, and this rank's own is that plus its unsent
-        update. (Outside, each step sets every parameter from the shared ones and the
-        residual, so a change made there is lost.) With another exchange the parameters
-        are shared already, and this does nothing."""
+        update; after ``load_state_dict()`` inside, the loaded shared parameters win over
+        what the model loaded. (Outside, each step sets every parameter from the shared
+        ones and the residual, so a change made there is lost.) With another exchange the
+        parameters are shared already, and this does nothing."""
         if self._shared is None:
             yield
             return
@@ -697,16 +699,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
             local = [p.detach().clone() for p in self._params]
             for param, shared in zip(self._params, self._shared):
                 param.copy_(shared)
+        loads = self._loads
         try:
             yield
         finally:
             with torch.no_grad():
-                changed = False
+                # After load_state_dict() inside, the shared parameters are the loaded ones
+                # (whatever the model loaded beside them); else what the parameters hold.
+                loaded = self._loads != loads
+                changed = loaded
                 for param, shared in zip(self._params, self._shared):
-                    if not torch.equal(param, shared):
+                    if not loaded and not torch.equal(param, shared):
                         shared.copy_(param)
                         changed = True
-                if changed:
+                if changed:  # each rank's own: the shared ones less its residual
                     self._write_local()
                 else:
                     for param, mine in zip(self._params, local):
@@ -897,6 +903,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 for mine, saved in zip(self._shared, ours["shared"]):
                     mine.copy_(saved)
                 self._write_local()
+        self._loads += 1
 
     def _exchanged_not_stepped(self) -> bool:
         """Whether this step's exchange is done (and not refused or dropped) and the

@@ -523,7 +523,8 @@ def plan(
             Default None: ``CompressedOptimizer``'s defaults, 25 MiB for the Dense and Cast
             rows and 100 MiB for the TopK and Threshold rows, or 16 buckets' worth of a model
             over 1.6 GiB (:func:`bucket_caps`).
-        pair_bytes: bytes per sparse pair (8: int32 index + fp32 value; 6 with half values).
+        pair_bytes: bytes per TopK pair (8: int32 index + fp32 value; 6 with bfloat16
+            values, ``TopK(value_dtype=torch.bfloat16)``); Threshold's pairs are 8 always.
         threshold_densities: the densities the Threshold rows' ``t`` gives, if not
             ``densities``.
         compress_ns_per_element: compression + aggregation cost per gradient element, in
@@ -638,7 +639,8 @@ def plan(
         )
     counts = ((world_size - 1) * COUNT_BYTES * sparse_buckets, gather_terms)
     for density in threshold_densities:
-        pairs_bytes = allgather_bytes(density * params, world_size, pair_bytes)
+        # Threshold's values are always float32: 8-byte pairs, whatever pair_bytes says.
+        pairs_bytes = allgather_bytes(density * params, world_size, PAIR_BYTES)
         raw.append(
             row(
                 f"Threshold {_pct(density)}",
@@ -869,7 +871,8 @@ def format_plan(
             )
         lines.append(
             f"Against Cast fp16/bf16 (2-byte all-reduce) the sparse compressors pay below "
-            f"{_pct(half_cross)} (= 1/(2W) in bytes)."
+            f"{_pct(half_cross)} (= 2*2/(W*{pair_bytes:g}) in bytes"
+            + (" = 1/(2W))." if pair_bytes == 2 * FP32_BYTES else ").")
         )
     lines.append("")
     lines.append("Recommendation: " + recommend(rows, world_size))
@@ -1031,8 +1034,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--half-values",
         action="store_true",
-        help="sparse values sent as bfloat16, as TopK(value_dtype=torch.bfloat16) sends "
-        "them: 6-byte pairs instead of 8",
+        help="TopK's values sent as bfloat16, as TopK(value_dtype=torch.bfloat16) sends "
+        "them: 6-byte pairs instead of 8 (Threshold's stay 8)",
     )
     parser.add_argument(
         "--compute-seconds",

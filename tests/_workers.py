@@ -605,3 +605,24 @@ def residual_is_unscaled(rank, world_size):
         scaler.update()
         out.append(torch.cat([opt.residual(p).reshape(-1) for p in model.parameters()]))
     return out
+
+
+# ------------------------------------------------------------------ sparse-to-dense switch
+
+
+def dense_switch(rank, world_size, cases):
+    """One step of one 10000-element parameter under ``TopK(density, value_dtype=dtype)``
+    for each ``(dtype, density)``: the bytes this rank sent, and whether the average is
+    the same as a dense one of the same message would be (the switch changes no bits)."""
+    out = []
+    for dtype, density in cases:
+        weight = torch.nn.Parameter(torch.zeros(10_000))
+        opt = sparsecomm.CompressedOptimizer(
+            torch.optim.SGD([weight], lr=1.0),
+            sparsecomm.TopK(density, value_dtype=dtype),
+            min_compress_numel=0,
+        )
+        weight.grad = torch.randn(10_000, generator=torch.Generator().manual_seed(rank))
+        opt.step()
+        out.append((opt.last_stats.bytes_sent, opt.last_stats.elements_sent))
+    return out

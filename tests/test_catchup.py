@@ -297,6 +297,22 @@ def test_an_adamw_state_is_refused_before_anything_changes():
     assert opt.state[param]["last_step"].tolist() == [1] * 4
 
 
+def test_a_state_with_a_parameter_looked_up_but_never_stepped_loads():
+    # optimizer.state is a defaultdict: reading a parameter's entry (to log its moments,
+    # say) before its first gradient leaves an empty one, which the checkpoint carries.
+    used, unused = torch.ones(4, requires_grad=True), torch.ones(3, requires_grad=True)
+    opt = sparsecomm.CatchUpAdamW([used, unused], lr=1e-2)
+    used.grad = torch.ones(4)
+    opt.step()
+    assert "exp_avg_sq" not in opt.state[unused]  # the lookup that leaves {}
+    again = sparsecomm.CatchUpAdamW([used, unused], lr=1e-2)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert torch.equal(again.state[used]["exp_avg_sq"], opt.state[used]["exp_avg_sq"])
+    used.grad, unused.grad = None, torch.full((3,), 2.0)
+    again.step()  # the first gradient of `unused` starts its state
+    assert again.state[unused]["exp_avg"].tolist() == pytest.approx([0.2] * 3)
+
+
 def test_a_sparse_gradient_is_refused_with_the_fix():
     param = torch.zeros(4, 2, requires_grad=True)
     opt = sparsecomm.CatchUpAdamW([param])

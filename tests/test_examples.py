@@ -272,6 +272,17 @@ def test_resume_refuses_other_settings(tmp_path):
     more = parser.parse_args(["--checkpoint", str(tmp_path), "--resume", "--accumulate", "3"])
     with pytest.raises(ValueError, match=r"'accumulate': \(None, 3\)"):
         common.load_checkpoint(str(tmp_path), None, None, more, 0, 2)
+    # So do the values' dtype, the warm-up's start, the refresh and the weight decay,
+    # which the library would refuse or the saved groups would silently override.
+    for flags, key in [
+        (["--topk-values", "bf16"], "'topk_values': \\(None, 'bf16'\\)"),
+        (["--density-warmup-start", "0.5"], "'density_warmup_start': \\(None, 0.5\\)"),
+        (["--refresh-every", "4"], "'refresh_every': \\(None, 4\\)"),
+        (["--weight-decay", "0.1"], "'weight_decay': \\(None, 0.1\\)"),
+    ]:
+        other = parser.parse_args(["--checkpoint", str(tmp_path), "--resume", *flags])
+        with pytest.raises(ValueError, match=key):
+            common.load_checkpoint(str(tmp_path), None, None, other, 0, 2)
 
 
 def test_resume_of_a_dense_run_ignores_the_unused_threshold(tmp_path):

@@ -110,6 +110,17 @@ def test_plan_w8_25gbit_no_latency():
     assert not rows["TopK 10%"].above_crossover
 
 
+def test_half_values_price_topk_pairs_at_six_bytes_and_threshold_at_eight():
+    rows = rows_by_name(plan(1e8, 8, GBIT_25, densities=(0.01,), pair_bytes=6))
+    assert rows["TopK 1%"].bytes_per_rank == 7 * 1e6 * 6
+    eight = rows_by_name(plan(1e8, 8, GBIT_25, densities=(0.01,)))["Threshold 1%"]
+    assert eight.bytes_per_rank == 7 * 1e6 * 8 + 224  # its pairs, and the count all-gather
+    assert rows["Threshold 1%"].bytes_per_rank == eight.bytes_per_rank  # float32 values
+    text = format_plan(1e8, 8, GBIT_25, densities=(0.01,), pair_bytes=6)
+    assert "8.33% (= 2*2/(W*6) in bytes)" in text, text
+    assert "6.25% (= 2*2/(W*8) in bytes = 1/(2W))" in format_plan(1e8, 8, GBIT_25)
+
+
 def test_plan_with_latency_and_one_bucket():
     # n=1e6, W=4, 1 GB/s, 10 us; 1e6 fp32 = 4 MB fits one 25 MiB bucket.
     rows = rows_by_name(plan(1e6, 4, 1e9, latency=10e-6, densities=(0.01,)))

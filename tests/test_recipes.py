@@ -547,6 +547,31 @@ def test_local_updates_keep_a_change_made_inside_shared_parameters():
     torch.testing.assert_close(weight.detach(), edited, rtol=0, atol=1e-6)
 
 
+def test_local_updates_resume_inside_shared_parameters_is_bitwise():
+    """The model and the optimizer loaded inside ``shared_parameters()`` (where the model was
+    saved): the loaded shared parameters win, and the run goes on bit for bit."""
+    model = model_of()
+    opt = local(model)
+    for step in range(4):
+        step_on(model, opt, step)
+    with opt.shared_parameters():
+        saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    resumed = model_of(seed=1)
+    again = local(resumed)
+    with again.shared_parameters():
+        resumed.load_state_dict(saved_model)
+        again.load_state_dict(saved_opt)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    for step in range(4, 6):
+        step_on(model, opt, step)
+        step_on(resumed, again, step)
+    assert all(torch.equal(p, q) for p, q in zip(shared_of(model, opt), shared_of(resumed, again)))
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_local_updates_refused_step_changes_nothing():
     model = model_of()
     opt = local(model)

@@ -3,8 +3,10 @@
 The multi-rank contract (ranks identical, the average bit for bit, resume, the DDP hook)
 runs this compressor in test_distributed.py and test_overlap.py beside the others."""
 
+import _workers
 import pytest
 import torch
+from _dist import run_ranks
 from conftest import DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
@@ -143,3 +145,15 @@ def test_with_an_address_table_the_caller_rounds_once(monkeypatch):
     plain = TopK(0.05).compress(grad.clone(), None, world_size=1)
     TopK(0.05).round_message(plain, None)  # float32 values: nothing to do
     assert not plain.rounded
+
+
+def test_the_switch_to_a_dense_all_reduce_counts_six_bytes_a_pair():
+    # Two ranks, 10000 elements: a ring all-reduce moves 8 bytes an element (40000 bytes of
+    # payload); W * k pairs of 8 bytes reach that at k = 5000, of 6 bytes at k = 6667.
+    cases = [(torch.float32, 0.55), (BF16, 0.55), (BF16, 0.65), (BF16, 0.7)]
+    results = run_ranks(_workers.dense_switch, 2, cases)
+    for rank, sent in enumerate(results):
+        assert sent[0] == (40_000, 10_000), f"rank {rank}: float32 pairs at 55% go dense"
+        assert sent[1] == (6 * 5_500, 5_500), f"rank {rank}: 6-byte pairs at 55% stay sparse"
+        assert sent[2] == (6 * 6_500, 6_500), f"rank {rank}: and at 65%"
+        assert sent[3] == (40_000, 10_000), f"rank {rank}: 6-byte pairs at 70% go dense"
