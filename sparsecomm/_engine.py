@@ -472,6 +472,14 @@ class BucketEngine:
                 and bucket.velocity is None
                 and compressor.compresses_accumulated()
             )
+        #: ids of the members of adopting buckets whose ``.grad`` autograd allocated in
+        #: this step's first backward (it was None): only such a tensor is adopted, never
+        #: one the caller assigned (and may still hold). Noted by a hook before autograd
+        #: accumulates (:meth:`adopting_params`); cleared as a step ends.
+        self.fresh: set[int] = set()
+        #: Per parameter position, whether a bucket holds it (frozen ones: False); what
+        #: :meth:`local_used` returns when every held parameter had a gradient. Set there.
+        self.held: list[bool] | None = None
         self.next_launch = 0  # buckets before this index have launched this step
         #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
         #: None: on CUDA only (:meth:`gather`). Buckets that :attr:`~Bucket.accumulates`
@@ -517,7 +525,9 @@ class BucketEngine:
         takes the gradient tensor itself as its buffer."""
         param = bucket.params[member]
         grad = param.grad
-        if adopt and bucket.adopts and _adoptable(grad, bucket):
+        if grad is not None:
+            _refuse_own_buffer(bucket, grad)
+        if adopt and bucket.adopts and id(param) in self.fresh and _adoptable(grad, bucket):
             bucket.adopt(grad)
             self._hand_over(bucket, member)
             bucket.used[member] = True
@@ -652,6 +662,11 @@ class BucketEngine:
 
     # ---------------------------------------------------------------- launch
 
+    def adopting_params(self) -> list[torch.Tensor]:
+        """The members of buckets that adopt their gradient: the parameters whose
+        ``.grad`` the wrapper watches before autograd accumulates (:attr:`fresh`)."""
+        return [bucket.params[0] for bucket in self.buckets if bucket.adopts]
+
     def launch_ready(self) -> None:
         """Launch, in order, every bucket whose members are all filled."""
         while self.next_launch < len(self.buckets):
@@ -666,6 +681,11 @@ class BucketEngine:
         for bucket in self.buckets:
             for member, position in enumerate(bucket.positions):
                 used[position] = bucket.used[member]
+        if self.held is None:  # (the positions held, in the same shape)
+            self.held = [False] * num_params
+            for bucket in self.buckets:
+                for position in bucket.positions:
+                    self.held[position] = True
         return used
 
     def launch_all(self) -> None:
@@ -852,6 +872,7 @@ class BucketEngine:
                 self._commit_velocity(bucket, exchange.message, used)
             bucket.reset()
         self.next_launch = 0
+        self.fresh.clear()
 
     def release_gradients(self) -> None:
         """``zero_grad(set_to_none=True)`` dropped the members' ``.grad``: drop the buffers
@@ -906,6 +927,7 @@ class BucketEngine:
                 bucket.velocity, bucket.next_velocity = bucket.next_velocity, bucket.velocity
             for param in bucket.params:
                 param.grad = None
+        self.fresh.clear()
 
     def in_progress(self) -> bool:
         """Whether this step's exchange has begun: a bucket filled in part or launched."""
@@ -927,6 +949,25 @@ class BucketEngine:
                 self.comm.wait(bucket.exchange.work)
             bucket.reset()
         self.next_launch = 0
+        self.fresh.clear()
+
+
+def _refuse_own_buffer(bucket: Bucket, grad: torch.Tensor) -> None:
+    """Raise if ``grad`` lies in the bucket's residual or velocity: a ``.grad`` kept from
+    an earlier step (those buffers trade places with the gradient's between steps), or a
+    tensor assigned to ``.grad`` that the bucket adopted then, written into by this
+    backward. What was not sent yet is lost; better an error than a wrong sum."""
+    address = grad.data_ptr()
+    for kept in (bucket.residual, bucket.velocity, bucket.next_velocity):
+        if kept is not None and kept.data_ptr() <= address < kept.data_ptr() + 4 * kept.numel():
+            raise RuntimeError(
+                "a parameter's .grad is memory sparsecomm now keeps the unsent gradient in "
+                "(a .grad tensor kept from an earlier step and assigned again, or one "
+                "assigned before an earlier backward): this backward wrote into it, so "
+                "error feedback lost what it held. Let backward allocate .grad "
+                "(opt.zero_grad()), or assign a new tensor every step; restart from the "
+                "last checkpoint"
+            )
 
 
 def _unflatten_in_python(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

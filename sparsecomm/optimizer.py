@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import math
 import warnings
 import weakref
@@ -280,7 +281,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # synchronize()'s GradScaler (False: it was given none; None: not synchronize())
         self._synchronized_by_scaler = None
         self._verdict_buffer: torch.Tensor | None = None  # pinned, for _agree_on_step
-        self._template: torch.Tensor | None = None  # for _flags_template
+        self._template: tuple | None = None  # (engine, flags): for _flags_template
         #: The step's refusal, agreed by every rank (None: the step is good).
         self._refusal: RuntimeError | None = None
         self._drop_pending = False  # drop_step() inside no_sync(): told at the exchange
@@ -290,6 +291,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._register_hooks(self._params)
         weakref.finalize(self, _remove_hooks, self._hooks)
+        self._fresh_hooks: list = []
+        self._watch_fresh_gradients()
+        weakref.finalize(self, _remove_hooks, self._fresh_hooks)
 
     # ------------------------------------------------------------------ public API
 
@@ -510,6 +514,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.momentum_correction is not None:  # (a scheduler may have set it since)
+            for group in self.optimizer.param_groups:
+                error = _check_group_momentum(group, self.optimizer)
+                if error is not None:
+                    raise error
         if self._synchronized and self._refusal is not None:
             # Refused before step(): at the end of backward, or by drop_step() here.
             refusal = self._refusal
@@ -830,6 +839,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._shared is not None:  # the new parameters are shared as they are
             self._shared += [p.detach().clone() for p in self._params[start:]]
         self._register_hooks(self._params[start:])
+        self._watch_fresh_gradients()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and this rank's residuals, as tensors and plain
@@ -1001,7 +1011,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # Used here means used by some rank: the averages need nothing from the host but the
         # refusal, which the device has already. Queue them now, so that the device has work
         # while the host waits for the verdict and launches the optimizer after it.
-        early = all(used_here)
+        early = used_here == engine.held  # (a frozen parameter has no bucket to finish)
         if early:
             stats.aggregate_seconds = self._finish(used_here, agreement.refused)
         refusal, used = self._agree_on_step(agreement)
@@ -1124,8 +1134,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # each rank's dropped flag, each parameter's used flag]. Each rank has slots of its
         # own (the others add 0 there, and NaN stays NaN), and a used flag is above 0 if
         # any rank used the parameter.
-        if all(used_here):
-            flags = self._flags_template(device, len(used_here)).clone()  # (no host copy)
+        if used_here == self._engine.held:  # every parameter with a bucket has a gradient
+            flags = self._flags_template(device).clone()  # (no host copy)
         else:
             flags = torch.zeros(1 + 2 * world_size + len(used_here), device=device)
             used = torch.tensor(used_here, dtype=torch.float32)
@@ -1155,15 +1165,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         event.record()
         return _Agreement(refused, host, event)
 
-    def _flags_template(self, device: torch.device, num_params: int) -> torch.Tensor:
-        """The agreement's flags before this rank's peak goes in, when every parameter had
-        a gradient here: zeros, then ones (kept, so that a step copies it in one launch)."""
-        template, size = self._template, 1 + 2 * self.world_size + num_params
-        if template is None or template.device != device or template.numel() != size:
-            template = torch.zeros(size, device=device)
-            template[1 + 2 * self.world_size :] = 1.0
-            self._template = template
-        return template
+    def _flags_template(self, device: torch.device) -> torch.Tensor:
+        """The agreement's flags before this rank's peak goes in, when every parameter
+        with a bucket had a gradient here: zeros, then the used flags (1 but for frozen
+        parameters), kept for the engine they were made for, so that a step copies them in
+        one launch."""
+        template = self._template
+        if template is None or template[0] is not self._engine or template[1].device != device:
+            flags = torch.zeros(2 * self.world_size + 1, device=device)
+            used = torch.tensor(self._engine.held, dtype=torch.float32, device=device)
+            template = self._template = (self._engine, torch.cat([flags, used]))
+        return template[1]
 
     def _agree_on_step(self, agreement: _Agreement) -> tuple[RuntimeError | None, list[bool]]:
         """Wait for the verdict of :meth:`_start_agreement` (the step's one host sync).
@@ -1244,6 +1256,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if param.requires_grad:
                 param._sparsecomm_owner = me
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _watch_fresh_gradients(self) -> None:
+        """A hook before autograd accumulates, on each parameter the engine would adopt
+        the gradient of (a bucket of its own): it notes whether ``.grad`` was None, that is
+        whether the tensor after accumulation is autograd's own (:attr:`BucketEngine.fresh`)."""
+        _remove_hooks(self._fresh_hooks)
+        self._fresh_hooks.clear()
+        me = weakref.ref(self)
+        for param in self._engine.adopting_params():
+            owner = weakref.ref(param)
+
+            def note(grad: torch.Tensor, owner=owner) -> None:
+                opt, param = me(), owner()
+                if opt is not None and param is not None and param.grad is None:
+                    opt._engine.fresh.add(id(param))
+
+            self._fresh_hooks.append(param.register_hook(note))
 
     def _residuals_by_position(self) -> list[torch.Tensor | None]:
         return self._by_position("residual")
@@ -1696,9 +1725,21 @@ def _check_group_momentum(group: dict, optimizer) -> Exception | None:
         return ValueError(
             f"momentum_correction keeps the momentum itself, but the wrapped SGD has "
             f"momentum={momentum} in a parameter group, which would apply it twice; build "
-            "torch.optim.SGD(..., momentum=0) and pass the factor as momentum_correction"
+            "torch.optim.SGD(..., momentum=0) and pass the factor as momentum_correction "
+            "(a scheduler that cycles momentum, such as OneCycleLR or CyclicLR, sets it "
+            "every step: build it with cycle_momentum=False)"
         )
     return None
+
+
+def _needs_closure(optimizer) -> bool:
+    """Whether the optimizer's ``step`` takes a closure it cannot do without
+    (``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # (a step without a signature to read)
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _group_params(param_group: Any, existing: list) -> tuple[list, Exception | None]:
@@ -1760,6 +1801,13 @@ def _check_arguments(
         return TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
             "pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
+        )
+    if _needs_closure(optimizer):
+        return TypeError(
+            f"{type(optimizer).__name__}.step() needs a closure, which it evaluates (and "
+            "backpropagates) several times within one step: the exchange averages one "
+            "backward per step, so such an optimizer cannot be wrapped. Use a first-order "
+            "optimizer (torch.optim.SGD, AdamW, ...)"
         )
     if not isinstance(compressor, Compressor):
         return TypeError(

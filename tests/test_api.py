@@ -675,3 +675,49 @@ def test_triton_kernels_install_inside_the_sparsecomm_namespace(tmp_path):
     assert packages == {"sparsecomm", wheel.name.split("-py3")[0] + ".dist-info"}, packages
     assert "sparsecomm/triton_kernels/topk.py" in names
     assert not any(name.startswith("triton_kernels/") for name in names)
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_by_name():
+    # LBFGS evaluates (and backpropagates) its closure several times in one step.
+    model = small_model()
+    with pytest.raises(TypeError, match=r"LBFGS.step\(\) needs a closure.*first-order"):
+        sparsecomm.CompressedOptimizer(torch.optim.LBFGS(model.parameters()), sparsecomm.TopK(0.1))
+
+
+@pytest.mark.parametrize("cycle_momentum", [True, False])
+def test_a_scheduler_cycling_momentum_is_refused_under_momentum_correction(cycle_momentum):
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        sparsecomm.TopK(0.1),
+        momentum_correction=0.9,
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.1, total_steps=10, cycle_momentum=cycle_momentum
+    )
+    model(torch.randn(4, 40)).sum().backward()
+    if cycle_momentum:  # it wrote momentum into the groups: SGD would apply it twice
+        with pytest.raises(ValueError, match="cycle_momentum=False"):
+            opt.step()
+        return
+    opt.step()
+    scheduler.step()
+    assert "momentum_buffer" not in str(opt.optimizer.state_dict()["state"])
+
+
+def test_frozen_parameters_keep_the_step_on_its_fast_path():
+    # A frozen parameter has no bucket: it must not count as a parameter without a
+    # gradient, which would send every step's used flags from the host and queue the
+    # averages only after the verdict.
+    model = small_model()
+    model[0].requires_grad_(False)
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
+    reference = small_model()
+    reference[0].requires_grad_(False)
+    plain = sparsecomm.CompressedOptimizer(sgd(reference), sparsecomm.TopK(0.1))
+    train(model, opt, 3)
+    train(reference, plain, 3)
+    # The kept flags: the frozen weight and bias not used, the last layer's two used.
+    assert opt._template is not None and opt._template[1][-4:].tolist() == [0, 0, 1, 1]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)

@@ -768,6 +768,54 @@ def test_a_bucket_of_one_parameter_adopts_the_gradient_autograd_produced():
     assert torch.equal(w.flat(model), w.flat(copied)), _diff(w.flat(model), w.flat(copied))
 
 
+def test_a_gradient_tensor_assigned_before_backward_is_not_adopted_and_conserves():
+    """A buffer of the caller's, zeroed and assigned as ``.grad`` before every backward
+    (autograd accumulates into it): the bucket copies it and never takes it over, so
+    zeroing it again cannot wipe the residual. Conservation, bit for bit, at W = 1."""
+    layer = torch.nn.Linear(48, 48, bias=False)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.0), sparsecomm.TopK(0.1)
+    )
+    assert opt._engine.buckets[0].adopts
+    buf = torch.zeros(48, 48)
+    old = opt.residual(layer.weight)
+    for step in range(4):
+        c = torch.randn(48, 48, generator=torch.Generator().manual_seed(step))
+        buf.zero_()
+        layer.weight.grad = buf
+        (layer.weight * c).sum().backward()  # the gradient is c, exactly
+        opt.step()
+        new = opt.residual(layer.weight)
+        assert torch.equal(layer.weight.grad + new, c + old), f"step {step}: not conserved"
+        assert opt._engine.buckets[0].residual.data_ptr() != buf.data_ptr()
+        old = new
+
+
+def test_a_gradient_kept_from_an_earlier_step_and_assigned_again_is_refused():
+    # Between steps the gradient's buffer and the residual's trade places, so a .grad kept
+    # from two steps back is the residual now: a backward into it lost the unsent part.
+    model = torch.nn.Sequential(
+        torch.nn.Linear(48, 48, bias=False), torch.nn.Linear(48, 48, bias=False)
+    )
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), sparsecomm.TopK(0.1)
+    )
+    assert not opt._engine.buckets[0].adopts  # the two weights share a bucket
+    weight, kept = model[0].weight, None
+    for step in range(3):
+        x = torch.randn(8, 48, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            weight.grad = kept
+            with pytest.raises(RuntimeError, match="keeps the unsent gradient in"):
+                model(x).square().mean().backward()
+            break
+        model(x).square().mean().backward()
+        opt.step()
+        if step == 0:
+            kept = weight.grad
+        opt.zero_grad(set_to_none=False)
+
+
 def test_gradients_the_user_assigned_are_copied_not_adopted():
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 48, bias=False)
