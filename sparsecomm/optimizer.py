@@ -493,6 +493,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "before zero_grad()"
             )
         super().zero_grad(set_to_none=set_to_none)
+        self._engine.fresh.clear()  # (an accumulation left unfinished: its gradients are gone)
         if set_to_none:
             self._engine.release_gradients()
 
