@@ -58,7 +58,7 @@ import torch
 
 from . import _ops
 from ._comm import Communicator
-from .compressors import AdamChoice, Compressor, Dense, Exchange, Message
+from .compressors import AdamChoice, Compressor, Dense, Exchange, Message, sum_limit
 from .triton_kernels import MAX_NUMEL as MAX_BUCKET_NUMEL  # sparse messages index with int32
 from .triton_kernels import _indirect
 from .triton_kernels import adam_score as _adam_score
@@ -429,6 +429,10 @@ class BucketEngine:
             buckets must then have velocity buffers).
         cuda_graphs: replay the compression of CUDA buckets from CUDA graphs where the
             compressor allows it (:class:`CompressGraphs`).
+        adam_state: for ``TopK(select="adam")``, a parameter's ``(exp_avg_sq, eps)``
+            (:meth:`_score`).
+        num_params: how many parameters the buckets' positions index, frozen ones
+            included (default: up to the last position a bucket holds).
     """
 
     def __init__(
@@ -439,6 +443,7 @@ class BucketEngine:
         momentum: float | None = None,
         cuda_graphs: bool = True,
         adam_state: Callable[[torch.Tensor], tuple[torch.Tensor, float] | None] | None = None,
+        num_params: int | None = None,
     ):
         self.buckets = buckets
         self.compressor = compressor
@@ -477,9 +482,15 @@ class BucketEngine:
         #: one the caller assigned (and may still hold). Noted by a hook before autograd
         #: accumulates (:meth:`adopting_params`); cleared as a step ends.
         self.fresh: set[int] = set()
-        #: Per parameter position, whether a bucket holds it (frozen ones: False); what
-        #: :meth:`local_used` returns when every held parameter had a gradient. Set there.
-        self.held: list[bool] | None = None
+        #: Per parameter position (``num_params`` of them: by default up to the last one a
+        #: bucket holds), whether a bucket holds it (frozen ones: False); what
+        #: :meth:`local_used` returns when every held parameter had a gradient.
+        positions = [position for bucket in buckets for position in bucket.positions]
+        if num_params is None:
+            num_params = max(positions, default=-1) + 1
+        self.held = [False] * num_params
+        for position in positions:
+            self.held[position] = True
         self.next_launch = 0  # buckets before this index have launched this step
         #: Copy gradients into a bucket when it launches (True) or as they arrive (False);
         #: None: on CUDA only (:meth:`gather`). Buckets that :attr:`~Bucket.accumulates`
@@ -675,17 +686,12 @@ class BucketEngine:
                 return
             self._launch(bucket)
 
-    def local_used(self, num_params: int) -> list[bool]:
+    def local_used(self) -> list[bool]:
         """Per parameter position: did it have a gradient on this rank this step."""
-        used = [False] * num_params
+        used = [False] * len(self.held)
         for bucket in self.buckets:
             for member, position in enumerate(bucket.positions):
                 used[position] = bucket.used[member]
-        if self.held is None:  # (the positions held, in the same shape)
-            self.held = [False] * num_params
-            for bucket in self.buckets:
-                for position in bucket.positions:
-                    self.held[position] = True
         return used
 
     def launch_all(self) -> None:
@@ -1006,7 +1012,7 @@ def _narrowest(bucket: Bucket) -> float:
     )
 
 
-def _narrow_factor(peak_limit: float, largest: float, world_size: int) -> float:
+def _narrow_factor(peak_limit: float | None, largest: float, world_size: int) -> float:
     """How many times tighter than ``peak_limit`` (``Exchange.peak_limit``: the ranks'
     summed peaks, times it, bound the sum over the ranks in the average's units) the
     bucket's limit is: its average, that sum over ``W``, is written into its members'
@@ -1016,4 +1022,6 @@ def _narrow_factor(peak_limit: float, largest: float, world_size: int) -> float:
     two ranks)."""
     if not math.isfinite(largest):
         return 1.0
+    if peak_limit is None:  # (float32 values, unscaled)
+        peak_limit = sum_limit(torch.float32, world_size)
     return peak_limit / min(peak_limit, world_size * largest * (1 - 2.0**-20))

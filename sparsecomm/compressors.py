@@ -148,7 +148,8 @@ class Exchange:
         peak_limit: what ``peak`` is a fraction of, in the units of the average times the
             world size: :func:`sum_limit` of the dtype it was measured in, over the
             message's ``scale`` (the ranks' peaks summed, times this, bound the magnitude of
-            the sum the average divides by the world size).
+            the sum the average divides by the world size). None: float32's, unscaled, as
+            for every sparse message.
     """
 
     message: Message
@@ -161,7 +162,7 @@ class Exchange:
     #: True when the exchange is an all-reduce of dense values (also a sparse message
     #: that switched to dense because that moves fewer bytes).
     dense: bool = False
-    peak_limit: float = 0.0
+    peak_limit: float | None = None
 
     @property
     def nonfinite(self) -> torch.Tensor | None:
@@ -294,7 +295,9 @@ def _start_all_reduce(
     own = dense is message.values
     if check:
         peak = message.peak(comm.world_size) if own else _peak(dense, comm.world_size)
-    limit = sum_limit(dense.dtype, comm.world_size) / (message.scale if own else 1.0)
+    limit = None  # (float32 values, unscaled: a sparse message's, decoded)
+    if own and (dense.dtype != torch.float32 or message.scale != 1.0):
+        limit = sum_limit(dense.dtype, comm.world_size) / message.scale
     work = comm.start_all_reduce_(dense)
     return Exchange(message, work, dense, comm, peak=peak, dense=True, peak_limit=limit)
 
@@ -456,7 +459,6 @@ class _Sparse(Compressor):
             return Exchange(
                 message, None, None, comm, width=count,
                 peak=message.peak(world_size) if check else None,
-                peak_limit=sum_limit(message.values.dtype, world_size),
             )  # fmt: skip
         counts = self._gather_counts(message, comm)
         width = max(counts)
@@ -475,7 +477,6 @@ class _Sparse(Compressor):
         return Exchange(
             message, work, gathered, comm, counts=None if fixed else counts, width=width,
             peak=message.peak(world_size) if check else None,
-            peak_limit=sum_limit(message.values.dtype, world_size),
         )  # fmt: skip
 
     def finish(self, exchange, out, skip=None):

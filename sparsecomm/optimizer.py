@@ -1005,7 +1005,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         engine = self._engine
         engine.launch_all()
         stats = self._sent_stats()
-        used_here = engine.local_used(len(self._params))
+        used_here = engine.local_used()
         dropped, self._drop_pending = dropped or self._drop_pending, False
         self._agreement_started = True  # from here on the step cannot be dropped
         agreement = self._start_agreement(engine.peak(), used_here, dropped)
@@ -1241,6 +1241,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             buckets, self.compressor, self._comm, self.momentum_correction,
             cuda_graphs=self.cuda_graphs and not self.profile,
             adam_state=_adam_state_of(self.optimizer) if self.compressor.selects_by_adam else None,
+            num_params=len(self._params),
         )  # fmt: skip
         engine.step = self._steps_taken
         return engine
