@@ -164,11 +164,6 @@ class Exchange:
     dense: bool = False
     peak_limit: float | None = None
 
-    @property
-    def nonfinite(self) -> torch.Tensor | None:
-        """0-dim bool device tensor: did this rank's message hold NaN or Inf."""
-        return None if self.peak is None else ~torch.isfinite(self.peak)
-
 
 class Compressor:
     """Base class of the compressors; not used directly."""
@@ -495,6 +490,22 @@ class _Sparse(Compressor):
             indices, values, exchange.counts, exchange.message.numel,
             average_scale(world_size), out=out, skip=skip,
         )  # fmt: skip
+
+    def average_peak(self, exchange: Exchange, out: torch.Tensor) -> torch.Tensor:
+        """0-dim float32 device tensor, no host sync: the largest magnitude of the average
+        that :meth:`finish` wrote into ``out``, NaN or Inf where it holds one (a rank sent
+        one, or a sum overflowed). Reads ``out`` only where the ranks' pairs landed (it is
+        0 elsewhere), or all of it after a dense all-reduce."""
+        if exchange.dense:
+            landed = out
+        else:
+            pairs = exchange.message.indices.unsqueeze(0)
+            if exchange.result is not None:
+                pairs = exchange.result  # [world_size, indices then values]
+            landed = out[pairs[:, : exchange.width].reshape(-1).long()]
+        if landed.numel() == 0:
+            return torch.zeros((), dtype=torch.float32, device=out.device)
+        return _max_magnitude(landed)
 
     def _gather_counts(self, message: Message, comm: Communicator) -> list[int]:
         raise NotImplementedError

@@ -18,7 +18,7 @@ import torch
 
 from ._comm import Communicator
 from ._engine import CompressGraphs
-from .compressors import Compressor, Dense
+from .compressors import Compressor, Dense, Message
 
 __all__ = ["DDPCommHookState", "ddp_comm_hook"]
 
@@ -27,24 +27,24 @@ _DENSE = Dense()
 
 
 class _HostFlag:
-    """A 0-dim bool device tensor, copied to the host without stalling it: read an
-    iteration later, the copy has long arrived, where ``bool(flag)`` on a CUDA tensor would
-    wait for every kernel queued so far (the current backward included)."""
+    """Is a 0-dim float32 device tensor NaN or Inf? Copied to the host without stalling it:
+    read an iteration later, the copy has long arrived, where ``float(value)`` on a CUDA
+    tensor would wait for every kernel queued so far (the current backward included)."""
 
-    def __init__(self, flag: torch.Tensor):
+    def __init__(self, value: torch.Tensor):
         self._event = None
-        if flag.is_cuda:
-            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._host.copy_(flag, non_blocking=True)
+        if value.is_cuda:
+            self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._host.copy_(value, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = flag
+            self._host = value
 
     def is_set(self) -> bool:
         if self._event is not None:
             self._event.synchronize()  # done by now: returns at once
-        return bool(self._host)
+        return not math.isfinite(float(self._host))
 
 
 class DDPCommHookState:
@@ -66,6 +66,9 @@ class DDPCommHookState:
         nonfinite: bucket index to a :class:`_HostFlag`: did this rank's last message for
             that bucket hold NaN or Inf? Its residual is then dropped before the next use (the
             averaged gradient is non-finite on every rank, so ``GradScaler`` skips the step).
+            Where an iteration's averages held NaN or Inf, the other buckets' residuals (and
+            every bucket of the ranks whose messages were finite) take back what they sent
+            in it (:meth:`_settle`), for ``TopK`` and ``Threshold``.
         last_bytes_sent: bytes this rank put into the collectives in the last iteration.
     """
 
@@ -110,6 +113,10 @@ class DDPCommHookState:
         self.iteration = 0
         self.residuals: dict[int, torch.Tensor] = {}
         self.nonfinite: dict[int, _HostFlag] = {}
+        # The current (or last) iteration's sparse messages per bucket, each with a flag:
+        # was the average it took part in non-finite? Kept until the iteration is over.
+        self._sent: dict[int, tuple[Message, _HostFlag]] = {}
+        self._sent_iteration = 0
         self.last_bytes_sent = 0
         self._bytes_this_iteration = 0
         # A parameter's key is the order in which this process first saw it: DDP's first
@@ -214,7 +221,30 @@ class DDPCommHookState:
         self._loose = {int(k): r.clone() for k, r in residuals.items()}
         # Keys already given (the hook ran in this process) stay: they were given in DDP's
         # first layout, as the saving process gave its own, whatever layout DDP uses now.
-        self.residuals, self.nonfinite, self._layouts = {}, {}, {}
+        self.residuals, self.nonfinite, self._layouts, self._sent = {}, {}, {}, {}
+
+    def _settle(self) -> None:
+        """Once an iteration is over: if any of its averages held NaN or Inf, the step it
+        fed was not taken (``GradScaler`` skips it on every rank, as every rank's averages
+        are the same bits), so each bucket puts back into its residual what it sent, and
+        nothing sent in a skipped step is lost. The residual then holds ``grad + residual``
+        of that iteration, bit for bit (the sent places were zero, or the bfloat16
+        rounding's remainder). A bucket whose own message held NaN or Inf drops its
+        residual instead (``nonfinite``)."""
+        if self._sent_iteration == self.iteration:
+            return  # (its buckets are still being sent)
+        sent, self._sent = self._sent, {}
+        self._sent_iteration = self.iteration
+        if not any(flag.is_set() for _, flag in sent.values()):
+            return
+        for index, (message, _) in sent.items():
+            own = self.nonfinite.get(index)
+            residual = self.residuals.get(index)
+            if residual is None or (own is not None and own.is_set()):
+                continue
+            count = message.known_count()
+            # Distinct indices: one add per place, deterministic on every device.
+            residual.index_add_(0, message.indices[:count].long(), message.values[:count].float())
 
     def _layout_of(self, bucket) -> list[tuple[int, int]]:
         layout = []
@@ -280,6 +310,7 @@ class DDPCommHookState:
         """Split every bucket's residual into per-parameter pieces (in ``_loose``); a
         residual whose last message held NaN or Inf is dropped first, as its next use would
         have dropped it."""
+        self._settle()
         for index, flag in self.nonfinite.items():
             if flag.is_set():
                 self.residuals[index].zero_()
@@ -360,11 +391,13 @@ def ddp_comm_hook(
 
     Warning:
         Under ``torch.amp.GradScaler`` the hook sees scaled gradients, so residuals are
-        kept in scaled units; a changing scale rescales what they hold, and a step that
-        the scaler skips (a rank sent Inf) has taken what the other ranks sent out of their
-        residuals all the same. Use :class:`sparsecomm.CompressedOptimizer`, which keeps
-        residuals unscaled and refuses such a step with nothing changed, for fp16 training
-        with a loss scale.
+        kept in scaled units, and a changing scale rescales what they hold. When the
+        scaler skips a step (a rank sent NaN or Inf, so every rank's average holds one),
+        ``TopK`` and ``Threshold`` put what each rank sent back into its residual, with
+        that step's gradient in it; ``Cast``'s residual, a rounding remainder, keeps
+        nothing of that step, as DDP's fp16 hook does. Use
+        :class:`sparsecomm.CompressedOptimizer`, which keeps residuals unscaled and skips
+        such a step with its residuals as they were, for fp16 training with a loss scale.
     """
     state = DDPCommHookState(
         compressor,
@@ -383,6 +416,7 @@ def _compressed_hook(state, bucket):
     index = bucket.index()
     if state._iteration_unchecked:
         state._agree_on_iteration(buffer.device)
+    state._settle()  # (at the first bucket of an iteration, the last one's)
     if not state._keyed:
         # Keys in DDP's first layout (this process's first iteration), dense or not, as
         # any process that later loads this state gives them.
@@ -411,7 +445,8 @@ def _compressed_hook(state, bucket):
     exchange = compressor.start(message, state.comm, check=residual is not None)
     state._bytes_this_iteration += message.wire_bytes
     if residual is not None:
-        state.nonfinite[index] = _HostFlag(exchange.nonfinite)
+        state.nonfinite[index] = _HostFlag(exchange.peak)
+    keep = residual is not None and message.indices is not None  # (what _settle can put back)
     if bucket.is_last():
         state.iteration += 1
         state.last_bytes_sent, state._bytes_this_iteration = state._bytes_this_iteration, 0
@@ -419,6 +454,9 @@ def _compressed_hook(state, bucket):
     def finish(_) -> torch.Tensor:
         exchange.work = None  # done: this runs when it completes, and must not wait on it
         average = compressor.finish(exchange, grad)
+        if keep:
+            flag = _HostFlag(compressor.average_peak(exchange, average))
+            state._sent[index] = (message, flag)
         if average is not buffer:
             buffer.copy_(average)
         return buffer

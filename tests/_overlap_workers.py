@@ -332,6 +332,51 @@ def ddp_hook_under_grad_scaler(rank, world_size, hooked, overflow_at, steps, pat
     return scales, refused
 
 
+def _hook_residuals(state, model) -> list[torch.Tensor]:
+    """The hook state's residual of each parameter of ``model`` (zeros where it has none)."""
+    saved = state.state_dict()["residuals"]
+    keys = [state._keys.get(id(p)) for p in model.parameters()]
+    return [
+        saved[key].view_as(p) if key in saved else torch.zeros_like(p)
+        for key, p in zip(keys, model.parameters())
+    ]
+
+
+def ddp_hook_skip_gives_back_what_was_sent(
+    rank, world_size, compressor, cap, overflow_at, look_after_skip
+):
+    """DDP under ``GradScaler`` with ``compressor``'s hook; rank 0's loss overflows at step
+    ``overflow_at``, so the scaler skips that step on every rank. Returns the scales, each
+    parameter's residual before that step plus the scaled gradient the rank computed for
+    it (apart, on a copy of the model), the residuals right after the step
+    (``look_after_skip``; else None: the hook settles the skipped step at the next
+    iteration's first bucket instead of ``state_dict``), and the parameters at the end."""
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+    state, hook = sparsecomm.ddp_comm_hook(compressor)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scales, expected, after = [], None, None
+    for step in range(overflow_at + 3):
+        x, y = batch(rank, step)
+        if step == overflow_at:
+            if rank == 0:
+                x[0] = float("inf")
+            replica = copy.deepcopy(model)
+            scaler.scale(torch.nn.functional.mse_loss(replica(x), y)).backward()
+            before = _hook_residuals(state, model)
+            expected = [r + p.grad for r, p in zip(before, replica.parameters())]
+        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        if step == overflow_at and look_after_skip:
+            after = _hook_residuals(state, model)
+    return scales, expected, after, flat(model)
+
+
 def ddp_hook_dense_matches_ddp(rank, world_size, steps):
     plain, hooked = make_model(), make_model()
     _ddp_train(rank, plain, None, steps)
@@ -413,3 +458,52 @@ def ddp_hook_resume(rank, world_size, directory, phase, save_at, steps, cap):
         opt.step()
         opt.zero_grad()
     return flat(model), state.state_dict()["residuals"]
+
+
+class Bucket:
+    """Just enough of torch.distributed.GradBucket for the hook on one process: a bucket
+    of ``params`` (default: one parameter, the same every call) whose gradients are
+    ``buffer``."""
+
+    param = torch.nn.Parameter(torch.zeros(0))
+
+    def __init__(self, buffer, index=0, last=True, params=None):
+        self._buffer, self._index, self._last, self._params = buffer, index, last, params
+
+    def parameters(self):
+        if self._params is not None:
+            return self._params
+        self.param.data = torch.zeros(self._buffer.numel())
+        return [self.param]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+
+def hook_skip_on_one_bucket(device, compressor, steps: int = 6, bad_at: int = 4):
+    """Two buckets of random gradients through the hook on one process (W = 1); at step
+    ``bad_at`` bucket 1's gradient holds an Inf, so that step's averages are non-finite
+    and the step counts as skipped. Returns, per bucket, its residual before that step
+    plus its gradient there, and its residual right after it (both on the CPU)."""
+    state, hook = sparsecomm.ddp_comm_hook(compressor)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (300, 200)]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        grads = [torch.randn(p.numel(), generator=generator).to(device) for p in params]
+        if step == bad_at:
+            grads[1][7] = float("inf")
+            expected = [state.residuals[i] + g for i, g in enumerate(grads)]
+        for index, (grad, param) in enumerate(zip(grads, params)):
+            hook(state, Bucket(grad, index=index, last=index == 1, params=[param])).wait()
+        if step == bad_at:
+            saved = state.state_dict()["residuals"]
+            after = [saved[0], saved[1]]
+    if device.type == "cuda":
+        assert state.graphs.replays > 0  # the skipped step's messages came from graphs
+    return [e.cpu() for e in expected], [a.cpu() for a in after]

@@ -297,6 +297,16 @@ def test_cuda_ddp_hook_graphs_give_eager_bits(tmp_path):
         dist.destroy_process_group()
 
 
+def test_cuda_ddp_hook_gives_back_what_a_skipped_step_sent():
+    """The hook on CUDA, messages from CUDA graphs: an Inf in one bucket's gradient skips
+    the step; that bucket drops its residual, the other keeps its residual plus its
+    gradient, bit for bit."""
+    for compressor in (sparsecomm.TopK(0.1), sparsecomm.TopK(0.1, value_dtype=torch.bfloat16)):
+        expected, after = _overlap_workers.hook_skip_on_one_bucket(torch.device("cuda"), compressor)
+        assert torch.equal(after[0], expected[0]), compressor
+        assert not after[1].any(), compressor
+
+
 def _train_side_stream_cuda(compressor, side_stream: bool, cuda_graphs: bool, steps: int = 6):
     """A 2048x2048 layer (a bucket of its own, which adopts autograd's gradient) between
     small layers, with or without the side stream."""

@@ -359,6 +359,51 @@ def test_ddp_hook_under_grad_scaler_skips_once_per_overflow(tmp_path, cap):
         assert all(torch.isfinite(r).all() for r in saved["residuals"].values())
 
 
+_SKIPPED = [  # (compressor, bucket cap in MiB, the step that overflows)
+    (sparsecomm.TopK(0.1), 0.01, 2),
+    (sparsecomm.TopK(0.1), 0.01, 0),  # before DDP's bucket rebuild
+    (sparsecomm.TopK(0.1), 25, 2),  # one bucket
+    (sparsecomm.TopK(0.1), 25, 0),
+    (sparsecomm.TopK(0.1, value_dtype=torch.bfloat16), 0.01, 2),
+    (sparsecomm.Threshold(1e-2), 0.01, 2),
+    (sparsecomm.TopK(0.6), 0.01, 2),  # sent as a dense all-reduce (fewer bytes)
+]
+
+
+@pytest.mark.parametrize(("compressor", "cap", "overflow_at"), _SKIPPED, ids=repr)
+def test_ddp_hook_gives_back_what_a_skipped_step_sent(compressor, cap, overflow_at):
+    """A step GradScaler skips (rank 0 sent NaN) applies nothing, so the ranks whose
+    messages were finite keep, bit for bit, their residual plus that step's gradient:
+    nothing they sent is lost. The same training whether the hook settles the skipped
+    step in state_dict() or at the next iteration's first bucket; ranks in sync."""
+    finals = []
+    for look in (True, False):
+        results = run_ranks(
+            w.ddp_hook_skip_gives_back_what_was_sent, 2, compressor, cap, overflow_at, look
+        )
+        for rank, (scales, expected, after, _) in enumerate(results):
+            assert scales == [1024.0] * overflow_at + [512.0] * 3  # skipped once
+            if not look:
+                continue
+            for e, a in zip(expected, after):
+                assert torch.isfinite(a).all()
+                if rank == 1:
+                    assert torch.equal(a, e), _diff(a.flatten(), e.flatten())
+        assert torch.equal(results[0][3], results[1][3])
+        finals.append(results[0][3])
+    assert torch.equal(finals[0], finals[1])
+
+
+def test_ddp_hook_gives_back_what_a_skipped_step_sent_on_one_process():
+    """One process, two buckets: an Inf in one bucket's gradient skips the step; that
+    bucket drops its residual, the other keeps its residual plus its gradient, bit for
+    bit."""
+    for compressor in (sparsecomm.TopK(0.1), sparsecomm.Threshold(0.5)):
+        expected, after = w.hook_skip_on_one_bucket(torch.device("cpu"), compressor)
+        assert torch.equal(after[0], expected[0]), compressor
+        assert not after[1].any(), compressor
+
+
 def test_ddp_hook_refuses_a_residual_of_another_model():
     state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
     hook(state, _Bucket(torch.linspace(1, 2, 10))).wait()
@@ -392,30 +437,7 @@ def test_ddp_hook_refuses_a_model_with_parameters_of_the_same_sizes_added_or_rem
         seen.load_state_dict(saved)
 
 
-class _Bucket:
-    """Just enough of torch.distributed.GradBucket for the hook on one process: a bucket
-    of ``params`` (default: one parameter, the same every call) whose gradients are
-    ``buffer``."""
-
-    param = torch.nn.Parameter(torch.zeros(0))
-
-    def __init__(self, buffer, index=0, last=True, params=None):
-        self._buffer, self._index, self._last, self._params = buffer, index, last, params
-
-    def parameters(self):
-        if self._params is not None:
-            return self._params
-        self.param.data = torch.zeros(self._buffer.numel())
-        return [self.param]
-
-    def buffer(self):
-        return self._buffer
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._last
+_Bucket = w.Bucket
 
 
 def test_ddp_hook_keys_parameters_in_the_first_layout_even_when_it_is_sent_dense():
