@@ -62,46 +62,97 @@ class NonFiniteGradientError(RuntimeError):
     overflow. Raised by ``step()`` on every rank alike; nothing (parameters, residuals,
     optimizer state) was changed.
 
+    Under ``exchange="updates"`` or ``"local_updates"`` (``update=True``) it is the update
+    of the wrapped optimizer's step, from finite gradients, that is not finite: no rank
+    applies it, but every wrapped optimizer has stepped its own state.
+
     Attributes:
         ranks: the ranks (in the process group) whose values were not finite, or, when
             ``too_large``, whose values were the largest (above 1/W of the sum's limit).
         too_large: True when every value was finite but their sum could overflow.
+        update: True when the values were the wrapped optimizer's update, not gradients.
     """
 
-    def __init__(self, ranks: list[int], too_large: bool = False):
+    def __init__(
+        self, ranks: list[int], too_large: bool = False, *, update: bool = False,
+        scaler: bool = True,
+    ):  # fmt: skip
         self.ranks = ranks
         self.too_large = too_large
+        self.update = update
+        values = "updates" if update else "gradients"
         what = (
-            f"finite gradients on rank(s) {ranks} so large that their sum over the ranks "
+            f"finite {values} on rank(s) {ranks} so large that their sum over the ranks "
             "would overflow (float32, or the float16 or bfloat16 of a parameter they average "
             "into)"
             if too_large
-            else f"non-finite gradient (NaN or Inf) on rank(s) {ranks}"
+            else f"non-finite {values[:-1]} (NaN or Inf) on rank(s) {ranks}"
         )
-        super().__init__(
-            f"{what}: the step was not taken on any rank, and parameters, residuals and "
-            "optimizer state are unchanged. Lower the learning rate, clip gradients, or "
-            "train under torch.amp.GradScaler, which skips such steps on every rank together."
+        changed = (
+            "no rank applied it: parameters and residuals are unchanged, but every wrapped "
+            "optimizer has stepped its own state (its moments, its step count)"
+            if update
+            else "the step was not taken on any rank, and parameters, residuals and "
+            "optimizer state are unchanged"
         )
+        advice = "Lower the learning rate or clip gradients"
+        if scaler:  # (exchange="gradients" only: the update exchanges refuse a GradScaler)
+            advice += (
+                ", or train under torch.amp.GradScaler, which skips such steps on every "
+                "rank together"
+            )
+        super().__init__(f"{what}: {changed}. {advice}.")
 
 
 class StepDroppedError(RuntimeError):
     """Some rank dropped this step with :meth:`CompressedOptimizer.drop_step` (its backward
     raised, say out of memory). Raised by ``step()`` on every rank that did not drop it;
-    nothing (parameters, residuals, optimizer state) was changed on any rank.
+    nothing (parameters, residuals, optimizer state) was changed on any rank. Also raised,
+    with ``stepped=True``, under ``exchange="updates"`` or ``"local_updates"`` when some
+    rank's wrapped optimizer raised in its step: no update is applied anywhere, but the
+    wrapped optimizers have stepped their state.
 
     Attributes:
         ranks: the ranks (in the process group) that dropped the step.
     """
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], stepped: bool = False):
         self.ranks = ranks
+        if stepped:
+            super().__init__(
+                f"rank(s) {ranks} dropped this step: their wrapped optimizer raised in its "
+                f"step (exchange='updates' or 'local_updates'). No rank applied the update: "
+                "parameters and residuals are unchanged, but every wrapped optimizer has "
+                "stepped its own state (the rank(s) that raised perhaps in part). Catch this "
+                "error, call zero_grad() and go on, or restart from the last checkpoint"
+            )
+            return
         super().__init__(
             f"rank(s) {ranks} dropped this step (CompressedOptimizer.drop_step(), after their "
             "backward raised): the step was not taken on any rank, and parameters, residuals "
             "and optimizer state are unchanged. Catch this error, call zero_grad() and go on "
             "with the next batch (or the same one again, as the ranks that dropped it may)"
         )
+
+
+# A rank's status in a step's agreement (bits): it dropped the step (drop_step()); the
+# wrapped optimizer raised on its previous step's averages and they were never applied.
+_DROPPED = 1
+_UNAPPLIED = 2
+
+
+class _RanksApartError(RuntimeError):
+    """The ranks' parameters differ: no GradScaler may turn it into a skipped step."""
+
+
+def _unapplied_error(ranks: list[int]) -> RuntimeError:
+    return _RanksApartError(
+        f"rank(s) {ranks} did not apply the previous step: the wrapped optimizer's step "
+        "raised there and zero_grad() followed, while the other ranks applied it, so the "
+        "ranks' parameters differ now. Restart every rank from the last checkpoint. (After "
+        "the wrapped optimizer's step raises, calling opt.step() again applies the same "
+        "averaged gradients; if it raised on every rank, zero_grad() skips it everywhere.)"
+    )
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
@@ -238,10 +289,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._comm.timed = self.profile
         self._ready = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        # Share, not copy: a scheduler that changes a learning rate here changes it there.
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self._ready = True
+        self._ready = True  # from here on param_groups and state are the wrapped optimizer's
 
         params = self._all_params()
         self._raise_agreed(_check_params(params, start=0))
@@ -287,6 +335,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._drop_pending = False  # drop_step() inside no_sync(): told at the exchange
         self._dropped_here = False  # drop_step() sent this rank's part: until step()/zero_grad()
         self._agreement_started = False  # this step's agreement was issued (not droppable)
+        # The wrapped optimizer's step on this step's averages raised (step() retries it),
+        # and whether a step of averages was never applied here (zero_grad() after that):
+        # told to the other ranks at the next agreement.
+        self._applying = False
+        self._unapplied = False
         self._step_stats = StepStats()
         self._hooks: list = []
         self._register_hooks(self._params)
@@ -296,6 +349,33 @@ class CompressedOptimizer(torch.optim.Optimizer):
         weakref.finalize(self, _remove_hooks, self._fresh_hooks)
 
     # ------------------------------------------------------------------ public API
+
+    # Shared, not copied: a scheduler that changes a learning rate here changes it there,
+    # also after the wrapped optimizer's own load_state_dict() built new containers.
+    # (torch.optim.Optimizer.__init__ fills containers of its own first.)
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's ``param_groups``."""
+        return self.optimizer.param_groups if self._ready else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        if self._ready:
+            self.optimizer.param_groups = groups
+        else:
+            self.__dict__["_own_groups"] = groups
+
+    @property
+    def state(self) -> dict:
+        """The wrapped optimizer's ``state``."""
+        return self.optimizer.state if self._ready else self.__dict__["_own_state"]
+
+    @state.setter
+    def state(self, state: dict) -> None:
+        if self._ready:
+            self.optimizer.state = state
+        else:
+            self.__dict__["_own_state"] = state
 
     @property
     def world_size(self) -> int:
@@ -483,6 +563,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # drop_step() inside no_sync(), and no exchange since: the other ranks' exchange
             # at the end of their accumulation still waits for this rank's part.
             self._send_drop()
+        if self._applying:  # averages the wrapped optimizer raised on, not retried
+            self._applying, self._unapplied = False, True
         if self._synchronized:
             self._finish_step(skipped=True)
         elif self._engine.in_progress() or self._callback_queued:
@@ -520,11 +602,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 error = _check_group_momentum(group, self.optimizer)
                 if error is not None:
                     raise error
+        if self._applying:  # the wrapped optimizer raised on these averages: again
+            self._apply()
+            return loss
         if self._synchronized and self._refusal is not None:
             # Refused before step(): at the end of backward, or by drop_step() here.
             refusal = self._refusal
             self._finish_step(skipped=True)
-            if grad_scaler is None:
+            if grad_scaler is None or isinstance(refusal, _RanksApartError):
                 raise refusal
             self._scaler_seen, self._overlapping = True, False
             self._scaler_skips(grad_scaler)
@@ -538,13 +623,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._refusal is not None:
             refusal = self._refusal
             self._finish_step(skipped=True)
-            if grad_scaler is None:
+            if grad_scaler is None or isinstance(refusal, _RanksApartError):
                 raise refusal
             return loss
+        # Counted before the wrapped optimizer steps: the exchange is done on every rank,
+        # and the density schedule must stay the same on every rank even if this rank's
+        # step raises (its next step() retries it).
         self._finish_step(skipped=False)
-        self.optimizer.step()
+        self._applying = True
+        self._apply()
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
+
+    def _apply(self) -> None:
+        """Step the wrapped optimizer on the averages in ``.grad``. Should it raise, the
+        next ``step()`` calls it again on the same averages; a ``zero_grad()`` instead
+        leaves them unapplied, which the next exchange's agreement tells every rank."""
+        self.optimizer.step()
+        self._applying = False
 
     def _adopt_scaler(self, grad_scaler) -> None:
         """Turn the overlap off for a ``GradScaler``; refuse (and skip) a step whose
@@ -590,13 +686,27 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise refusal
         shared_bytes = self._share_average_gradient() if due else 0
         before = self._copies_before_step(params)
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except BaseException:
+            # The other ranks go on to exchange their updates: send this rank's part as a
+            # dropped step, so that every rank refuses it, then raise here.
+            torch._foreach_copy_([p.detach() for p in params], before)
+            self._synchronize(grad_scaler=None, dropped=True)
+            self._finish_step(skipped=True)
+            raise
         _update_as_gradient(params, before)
         self._synchronize(grad_scaler=None)
         self._step_stats.bytes_sent += shared_bytes
         if self._refusal is not None:  # finite gradients, an update that is not: not applied
             refusal = self._refusal
             self._finish_step(skipped=True)
+            if isinstance(refusal, StepDroppedError):  # (a wrapped step raised there)
+                refusal = StepDroppedError(refusal.ranks, stepped=True)
+            elif isinstance(refusal, NonFiniteGradientError):
+                refusal = NonFiniteGradientError(
+                    refusal.ranks, refusal.too_large, update=True, scaler=False
+                )
             raise refusal
         self._finish_step(skipped=False)
         pairs = [(param, param.grad) for param in self._params if param.grad is not None]
@@ -779,7 +889,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         dropped_ranks = [r for r, flag in enumerate(values) if flag == 2]
         if dropped_ranks:
             return StepDroppedError(dropped_ranks)
-        return NonFiniteGradientError([r for r, flag in enumerate(values) if flag > 0])
+        nonfinite = [r for r, flag in enumerate(values) if flag > 0]
+        return NonFiniteGradientError(nonfinite, scaler=False)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must call
@@ -899,9 +1010,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
-        # torch.optim.Optimizer.load_state_dict builds new group and state containers.
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
         self._load_residuals(ours["residuals"] if keep_residuals else [])
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
@@ -919,7 +1027,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _exchanged_not_stepped(self) -> bool:
         """Whether this step's exchange is done (and not refused or dropped) and the
         wrapped optimizer has not stepped yet."""
-        return self._synchronized and self._refusal is None and not self._dropped_here
+        waiting = self._synchronized and self._refusal is None and not self._dropped_here
+        return waiting or self._applying
 
     def __repr__(self) -> str:
         return (
@@ -1132,9 +1241,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         world_size = self.world_size
         device = peak.device if peak is not None else torch.device("cpu")
         # flags: [sum of the peaks (slot 0, set after the all-reduce), each rank's peak,
-        # each rank's dropped flag, each parameter's used flag]. Each rank has slots of its
-        # own (the others add 0 there, and NaN stays NaN), and a used flag is above 0 if
-        # any rank used the parameter.
+        # each rank's status (_DROPPED, _UNAPPLIED bits), each parameter's used flag]. Each
+        # rank has slots of its own (the others add 0 there, and NaN stays NaN), and a used
+        # flag is above 0 if any rank used the parameter.
         if used_here == self._engine.held:  # every parameter with a bucket has a gradient
             flags = self._flags_template(device).clone()  # (no host copy)
         else:
@@ -1143,9 +1252,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
             flags[1 + 2 * world_size :] = used.to(device, non_blocking=True)
+        status = (_DROPPED if dropped else 0) | (_UNAPPLIED if self._unapplied else 0)
+        self._unapplied = False
+        if status:
+            flags[1 + world_size + self.rank] = float(status)
         if dropped:  # an infinite peak: refused on the device as a non-finite one would be
             flags[1 + self.rank] = math.inf
-            flags[1 + world_size + self.rank] = 1.0
         elif peak is not None:
             flags[1 + self.rank] = peak
         self._comm.all_reduce_(flags)
@@ -1188,9 +1300,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         values = agreement.host.tolist()
         peaks = values[1 : 1 + world_size]
         used = [f > 0 for f in values[1 + 2 * world_size :]]
+        status = [int(f) for f in values[1 + world_size : 1 + 2 * world_size]]
+        unapplied = [r for r in range(world_size) if status[r] & _UNAPPLIED]
+        if 0 < len(unapplied) < world_size:
+            return _unapplied_error(unapplied), used
         if values[0] <= _peak_bound(world_size, self._engine.narrow):
             return None, used
-        dropped = [r for r in range(world_size) if values[1 + world_size + r] > 0]
+        dropped = [r for r in range(world_size) if status[r] & _DROPPED]
         if dropped:
             return StepDroppedError(dropped), used
         nonfinite = [r for r in range(world_size) if not math.isfinite(peaks[r])]
@@ -1592,10 +1708,18 @@ def _describe(entry) -> str:
 
 def _check_params(params: list, start: int) -> Exception | None:
     """The first parameter sparsecomm cannot exchange, as an error naming the fix."""
+    seen: dict[int, int] = {}
     for offset, param in enumerate(params):
         where = f"parameter {start + offset}"
         if not isinstance(param, torch.Tensor):
             return TypeError(f"{where} is a {type(param).__name__}, not a tensor")
+        first = seen.setdefault(id(param), start + offset)
+        if first != start + offset:
+            return ValueError(
+                f"{where} is parameter {first} again: torch.optim only warns about a "
+                "parameter listed twice, but its gradient would be exchanged twice. List each "
+                "parameter once (e.g. list(dict.fromkeys(model.parameters())))"
+            )
         if not param.is_floating_point() or param.dtype == torch.float64:
             return TypeError(
                 f"{where} has dtype {param.dtype}; sparsecomm exchanges float32, float16 and "

@@ -891,6 +891,7 @@ def measure_compress_costs(
     max_elements: float = 2e7,
     repeats: int = 3,
     device: str | None = None,
+    half_values: bool = False,
 ) -> dict[str, float]:
     """Time each planner row's compression + aggregation on this machine, in ns per element.
 
@@ -901,8 +902,9 @@ def measure_compress_costs(
     ``repeats`` steps after one warm-up, each from a zero residual).
     Threshold's ``t`` sends the row's density of a normal gradient. Aggregation here adds one
     message, not W: at the densities that pay, the W-1 others are a small part of it.
-    CUDA when available (or ``device``), else CPU. Needs torch; must not run inside an
-    initialized process group.
+    CUDA when available (or ``device``), else CPU. ``half_values``: the TopK rows round
+    their values to bfloat16, as ``TopK(value_dtype=torch.bfloat16)`` does (``--half-values``).
+    Needs torch; must not run inside an initialized process group.
     """
     import torch
     import torch.distributed as dist
@@ -940,7 +942,8 @@ def measure_compress_costs(
         ("Cast fp16", Cast(torch.float16)),
         ("Cast bf16", Cast(torch.bfloat16)),
     ]
-    compressors += [(f"TopK {_pct(d)}", TopK(d)) for d in densities]
+    value_dtype = torch.bfloat16 if half_values else torch.float32
+    compressors += [(f"TopK {_pct(d)}", TopK(d, value_dtype=value_dtype)) for d in densities]
     normal = statistics.NormalDist()
     compressors += [
         (f"Threshold {_pct(d)}", Threshold(normal.inv_cdf(1 - d / 2)))
@@ -1153,6 +1156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 threshold_densities,
                 args.bucket_cap_mb,
                 max_elements=args.measure_max_elements,
+                half_values=args.half_values,
             )
             costs = {}
             for name in names:

@@ -676,3 +676,48 @@ def run_scenarios(rank, world_size, names, collective_timeout: float):
         finally:
             dist.destroy_process_group(group)
     return results
+
+
+# ------------------------------------------------------------------ the wrapped step raises
+
+
+class FlakySGD(torch.optim.SGD):
+    """SGD whose ``fail_at``-th call of ``step`` raises (None: never), before it changes
+    anything, as an out-of-memory error in an optimizer's first step would."""
+
+    def __init__(self, params, fail_at=None, **kwargs):
+        super().__init__(params, **kwargs)
+        self.fail_at, self.calls = fail_at, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("simulated failure in the wrapped optimizer's step")
+        return super().step(closure)
+
+
+def wrapped_step_raises(rank, world_size, exchange: str, raising: list, then: str):
+    """Six steps of ``TopK(0.05)`` with a density warm-up; at step 2 the wrapped
+    optimizer's step raises on the ranks in ``raising``, which then call ``opt.step()``
+    again (``then="retry"``) or go on (``"zero_grad"``). Returns the (shared) parameters,
+    the steps taken and each error a rank saw: ``(step, type, start of the message)``."""
+    model = make_model()
+    fail_at = 3 if rank in raising else None
+    inner = FlakySGD(model.parameters(), fail_at=fail_at, lr=0.05, momentum=0.9)
+    compressor = sparsecomm.TopK(0.05, warmup_steps=6)
+    opt = sparsecomm.CompressedOptimizer(inner, compressor, exchange=exchange, bucket_cap_mb=0.01)
+    errors = []
+    for step in range(6):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            opt.step()
+        except RuntimeError as error:
+            errors.append((step, type(error).__name__, str(error)[:100]))
+            if then == "retry" and "simulated" in str(error):
+                opt.step()
+        opt.zero_grad()
+    if exchange == "local_updates":  # each rank's model is the shared one less its residual
+        with opt.shared_parameters():
+            return flat(model.parameters()), opt.steps_taken, errors
+    return flat(model.parameters()), opt.steps_taken, errors

@@ -333,6 +333,56 @@ def test_param_groups_are_shared_so_schedulers_and_zero_grad_work():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_param_groups_stay_shared_after_the_wrapped_optimizers_own_load():
+    """The wrapped optimizer's load_state_dict() builds new containers (as the refusal of
+    a plain optimizer's state advises: opt.optimizer.load_state_dict(state)); a scheduler
+    on the wrapper must still reach them."""
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.1))
+    train(model, opt, 1)
+    opt.optimizer.load_state_dict(opt.optimizer.state_dict())
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)
+    assert opt.optimizer.param_groups[0]["lr"] == 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 1)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("exchange", ["updates", "local_updates"])
+def test_a_nonfinite_update_is_named_as_an_update_whose_state_has_stepped(exchange):
+    """Finite gradients, an infinite learning rate: the update is what is not finite, the
+    wrapped optimizer's state has stepped, and a GradScaler (which these exchanges refuse)
+    is not offered as the fix; a non-finite gradient says so, without the scaler too."""
+    model = small_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=float("inf"))
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.1), exchange=exchange)
+    model(torch.randn(2, 40)).sum().backward()
+    with pytest.raises(sparsecomm.NonFiniteGradientError) as info:
+        opt.step()
+    message = str(info.value)
+    assert info.value.update and "non-finite update" in message
+    assert "stepped its own state" in message and "GradScaler" not in message
+    opt.zero_grad()
+    model(torch.full((2, 40), float("nan"))).sum().backward()
+    with pytest.raises(sparsecomm.NonFiniteGradientError) as info:
+        opt.step()
+    assert not info.value.update and "non-finite gradient" in str(info.value)
+    assert "GradScaler" not in str(info.value)
+
+
+def test_a_parameter_listed_twice_is_refused():
+    """torch.optim only warns about a parameter listed twice; its gradient would be
+    exchanged twice (with TopK, one copy as zeros), so sparsecomm refuses it."""
+    model = small_model()
+    params = list(model.parameters())
+    with pytest.warns(UserWarning, match="duplicate"):
+        inner = torch.optim.SGD(params + [params[0]], lr=0.1)
+    with pytest.raises(ValueError, match="listed twice"):
+        sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.1))
+
+
 def test_add_param_group_keeps_residuals_and_compresses_new_params():
     model = small_model()
     extra = torch.nn.Linear(40, 30)

@@ -553,6 +553,26 @@ def test_measure_compress_costs_times_every_row(cap):
     assert costs["TopK 1%"] > costs["Dense fp32"], costs  # Dense compresses nothing
 
 
+def test_measure_compress_costs_half_values_times_bfloat16_topk(monkeypatch):
+    """``--half-values`` prices 6-byte pairs, so its measured TopK rows must round their
+    values to bfloat16 as ``TopK(value_dtype=torch.bfloat16)`` does."""
+    import torch
+
+    from sparsecomm import compressors
+
+    made = []
+
+    class Recording(compressors.TopK):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.value_dtype)
+
+    monkeypatch.setattr(compressors, "TopK", Recording)
+    costs = measure_compress_costs(1e5, densities=(0.01, 0.1), repeats=1, half_values=True)
+    assert made == [torch.bfloat16, torch.bfloat16]
+    assert "TopK 10%" in costs and costs["TopK 10%"] > 0
+
+
 def test_bucket_sizes_follow_the_library():
     import torch
 

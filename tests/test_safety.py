@@ -578,3 +578,59 @@ def test_elements_sent_is_what_each_rank_sent(request, world_size, name):
     for step, per_rank in enumerate(expected):
         reported = [r[name][step]["elements_sent"] for r in results]
         assert reported == per_rank, f"step {step}: reported {reported}, sent {per_rank}"
+
+
+# ------------------------------------------------------------------ the wrapped step raises
+
+
+def _wrapped_step_raises(exchange, raising, then):
+    return run_ranks(
+        sw.wrapped_step_raises, 2, exchange, raising, then,
+        timeout=90, collective_timeout=SHORT_TIMEOUT_S,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "raising, then",
+    [([0, 1], "retry"), ([1], "retry"), ([0, 1], "zero_grad")],
+    ids=["every-rank-retries", "one-rank-retries", "every-rank-skips"],
+)
+def test_a_wrapped_step_that_raised_is_retried_or_skipped_alike(raising, then):
+    """The wrapped optimizer's step raises at step 2: calling step() again applies the
+    same averages (no second exchange; the density schedule goes on in step), giving the
+    bits of a run without the failure; zero_grad() on every rank skips it on every rank."""
+    clean = _wrapped_step_raises("gradients", [], "retry")
+    results = _wrapped_step_raises("gradients", raising, then)
+    for rank, (params, steps, errors) in enumerate(results):
+        assert [e[:2] for e in errors] == ([(2, "RuntimeError")] if rank in raising else [])
+        assert steps == 6
+        if then == "retry":
+            assert torch.equal(bits(params), bits(clean[rank][0])), f"rank {rank}"
+    assert_same_on_every_rank([params for params, _, _ in results], "parameters")
+    if then == "zero_grad":
+        assert not torch.equal(bits(results[0][0]), bits(clean[0][0]))
+
+
+def test_a_wrapped_step_that_raised_on_one_rank_only_raises_on_every_rank_after():
+    """Rank 1's wrapped step raises at step 2 and rank 1 goes on without it: rank 0 has
+    applied that step, so the ranks' parameters differ. The next step tells every rank,
+    with the same error, instead of training on apart."""
+    results = _wrapped_step_raises("gradients", [1], "zero_grad")
+    for _, _, errors in results:
+        apart = [e for e in errors if e[0] == 3]
+        assert apart and apart[0][1] == "_RanksApartError", errors
+        assert "did not apply the previous step" in apart[0][2]
+    assert [e[:2] for e in results[1][2]][0] == (2, "RuntimeError")
+
+
+@pytest.mark.parametrize("exchange", ["updates", "local_updates"])
+def test_a_wrapped_step_that_raised_on_one_rank_drops_the_update_everywhere(exchange):
+    """With the update exchanged after the wrapped step, a rank whose step raised sends a
+    dropped step: the other ranks raise StepDroppedError (saying their optimizers
+    stepped), nobody applies an update, and the ranks go on in step."""
+    results = _wrapped_step_raises(exchange, [1], "zero_grad")
+    (_, _, errors0), (_, _, errors1) = results
+    assert [e[:2] for e in errors0] == [(2, "StepDroppedError")]
+    assert "their wrapped optimizer raised in its step" in errors0[0][2]
+    assert [e[:2] for e in errors1] == [(2, "RuntimeError")]
+    assert_same_on_every_rank([params for params, _, _ in results], "parameters")
