@@ -23,6 +23,11 @@ from .compressors import Compressor, Dense, Message
 __all__ = ["DDPCommHookState", "ddp_comm_hook"]
 
 _STATE_FORMAT = 1
+# A load_state_dict after at most this many iterations of this process is a resume, which
+# every rank makes alike: its iteration is compared across ranks. (A resume in processes
+# whose DDP buckets differ from their first ones loads after one iteration thrown away,
+# two under static_graph=True, where DDP rebuilds its buckets after the second.)
+_RESUME_ITERATIONS = 2
 _DENSE = Dense()
 
 
@@ -95,6 +100,8 @@ class DDPCommHookState:
             )
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         if (
             isinstance(dense_iterations, bool)
             or not isinstance(dense_iterations, int)
@@ -128,6 +135,7 @@ class DDPCommHookState:
         # Compared across ranks at the first bucket (after a resume's load_state_dict); not
         # after a later load, which some ranks alone may call.
         self._iteration_unchecked = True
+        self._iterations_here = 0  # iterations this process has sent (for load_state_dict)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # index: [(key, numel)]
         self._loose: dict[int, torch.Tensor] = {}  # key: residual between layouts
 
@@ -150,8 +158,11 @@ class DDPCommHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` saved by this rank, between iterations: in new
-        processes (before or after a first backward) or in the one that saved it. A state
-        belongs to one DDP model: for a new model, make a new state and load into it.
+        processes (before a first backward, or after the one, two under
+        ``static_graph=True``, that DDP takes to rebuild its buckets) or in the one that
+        saved it. A load in a process that has sent at most two iterations is a resume,
+        which every rank makes: at the next bucket the ranks compare their iterations. A
+        state belongs to one DDP model: for a new model, make a new state and load into it.
         Everything is checked first; a mismatch raises ``ValueError`` naming it and
         changes nothing. A state saved for another model (parameters of other shapes, or
         more or fewer of them, in the order DDP first hands them over) raises
@@ -182,6 +193,12 @@ class DDPCommHookState:
                     "dropped), keep only the iteration count: state.iteration = "
                     "saved['iteration']"
                 )
+        iteration = state.get("iteration")
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(
+                "DDPCommHookState.load_state_dict: 'iteration' must be an int >= 0, got "
+                f"{iteration!r}; the checkpoint is corrupt"
+            )
         residuals = state.get("residuals")
         if not isinstance(residuals, dict):
             raise ValueError("DDPCommHookState.load_state_dict: 'residuals' must be a dict")
@@ -216,7 +233,11 @@ class DDPCommHookState:
             self._check_shape(key, shape, shapes)
         if self._keyed:
             self._check_count(shapes)
-        self.iteration = int(state["iteration"])
+        if self._iterations_here <= _RESUME_ITERATIONS:
+            # A resume (every rank alike): compared across ranks at the next bucket. Not
+            # after a later load, which some ranks alone may call.
+            self._iteration_unchecked = True
+        self.iteration = iteration
         self._saved_shapes = shapes
         self._loose = {int(k): r.clone() for k, r in residuals.items()}
         # Keys already given (the hook ran in this process) stay: they were given in DDP's
@@ -449,9 +470,12 @@ def _compressed_hook(state, bucket):
     keep = residual is not None and message.indices is not None  # (what _settle can put back)
     if bucket.is_last():
         state.iteration += 1
+        state._iterations_here += 1
         state.last_bytes_sent, state._bytes_this_iteration = state._bytes_this_iteration, 0
 
-    def finish(_) -> torch.Tensor:
+    def finish(done) -> torch.Tensor:
+        if done is not None:
+            done.value()  # a collective that failed (a rank gone, a timeout) raises here
         exchange.work = None  # done: this runs when it completes, and must not wait on it
         average = compressor.finish(exchange, grad)
         if keep:

@@ -384,9 +384,11 @@ def ddp_hook_dense_matches_ddp(rank, world_size, steps):
     return flat(plain), flat(hooked)
 
 
-def ddp_hook_loaded_at_different_iterations(rank, world_size):
+def ddp_hook_loaded_at_different_iterations(rank, world_size, thrown_away=0):
     """Rank 0 loads its hook state of iteration 2, rank 1 its state of iteration 1 (with a
-    warm-up their densities would differ); returns the error of the next backward."""
+    warm-up their densities would differ), after ``thrown_away`` backward passes of the
+    new hook whose gradients are thrown away (as a resume loads once DDP has rebuilt its
+    buckets); returns the error of the next backward."""
     model = make_model()
     state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1, warmup_steps=5))
     saves = []
@@ -394,12 +396,46 @@ def ddp_hook_loaded_at_different_iterations(rank, world_size):
         _ddp_train(rank, model, (state, hook), step + 1, start=step)
         saves.append(copy.deepcopy(state.state_dict()))
     fresh, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1, warmup_steps=5))
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=0.01)
+    ddp.register_comm_hook(fresh, hook)
+    for step in range(thrown_away):
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        ddp.zero_grad()
     fresh.load_state_dict(saves[1] if rank == 0 else saves[0])
     try:
-        _ddp_train(rank, make_model(), (fresh, hook), 1)
+        x, y = batch(rank, 9)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
     except RuntimeError as error:
         return str(error)
     return None
+
+
+def ddp_hook_collective_fails(rank, world_size, compressor, timeout_s):
+    """DDP and the hook on a group whose collectives give up after ``timeout_s``; rank 1
+    sits out step 2's backward (longer than that), so rank 0's collectives of that step
+    fail. Returns rank 0's error of that backward as ``(type, message)``, or "no
+    error"."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        make_model(), bucket_cap_mb=0.01, process_group=group
+    )
+    ddp.register_comm_hook(*sparsecomm.ddp_comm_hook(compressor, process_group=group))
+    for step in range(3):  # (DDP's own collectives, rebuilding its buckets, are done by 2)
+        if step == 2 and rank == 1:
+            time.sleep(timeout_s + 3)
+            return None
+        x, y = batch(rank, step)
+        try:
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        except Exception as error:  # (whatever the collective raised)
+            return type(error).__name__, str(error)
+    return "no error"
 
 
 def ddp_hook_built_differently(rank, world_size, which):

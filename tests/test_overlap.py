@@ -317,9 +317,28 @@ def test_ddp_hook_resumes_bitwise(tmp_path, cap, phase):
         assert all(torch.equal(residual_a[k], residual_b[k]) for k in residual_a)
 
 
-def test_ddp_hook_states_of_different_iterations_raise_on_every_rank():
-    for message in run_ranks(w.ddp_hook_loaded_at_different_iterations, 2, timeout=90):
+@pytest.mark.parametrize("thrown_away", [0, 1, 2])
+def test_ddp_hook_states_of_different_iterations_raise_on_every_rank(thrown_away):
+    """Loaded before any backward, or after the one or two thrown away that a resume takes
+    for DDP to rebuild its buckets (two under static_graph=True)."""
+    results = run_ranks(w.ddp_hook_loaded_at_different_iterations, 2, thrown_away, timeout=90)
+    for message in results:
         assert message is not None and "different iterations ([2, 1] by rank)" in message
+
+
+@pytest.mark.parametrize(
+    "compressor", [sparsecomm.Dense(), sparsecomm.Cast(torch.bfloat16), sparsecomm.TopK(0.1)],
+    ids=repr,
+)  # fmt: skip
+def test_ddp_hook_raises_the_error_of_a_collective_that_failed(compressor):
+    """Rank 1 sits out step 2: rank 0's backward raises the collective's error, as under
+    DDP's own hook, instead of averaging its own gradient alone (or failing on an unfilled
+    buffer)."""
+    outcome = run_ranks(w.ddp_hook_collective_fails, 2, compressor, 3, timeout=90)[0]
+    assert outcome != "no error"
+    kind, message = outcome
+    assert "IndexError" not in kind + message, outcome
+    assert "timed out" in message.lower() or "connection" in message.lower(), outcome
 
 
 @pytest.mark.parametrize("which", ["dtype", "dense_iterations"])
@@ -402,6 +421,17 @@ def test_ddp_hook_gives_back_what_a_skipped_step_sent_on_one_process():
         expected, after = w.hook_skip_on_one_bucket(torch.device("cpu"), compressor)
         assert torch.equal(after[0], expected[0]), compressor
         assert not after[1].any(), compressor
+
+
+def test_ddp_hook_state_refuses_a_missing_iteration_and_cuda_graphs_not_a_bool():
+    state, hook = sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))
+    hook(state, _Bucket(torch.linspace(1, 2, 10))).wait()
+    saved = state.state_dict()
+    del saved["iteration"]
+    with pytest.raises(ValueError, match="'iteration' must be an int"):
+        sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2))[0].load_state_dict(saved)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.2), cuda_graphs="no")
 
 
 def test_ddp_hook_refuses_a_residual_of_another_model():
