@@ -353,29 +353,33 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # Shared, not copied: a scheduler that changes a learning rate here changes it there,
     # also after the wrapped optimizer's own load_state_dict() built new containers.
     # (torch.optim.Optimizer.__init__ fills containers of its own first.)
+    # (Before that, and in a copy, which torch.optim.Optimizer's pickling support builds
+    # from param_groups and state alone, they are the object's own.)
     @property
     def param_groups(self) -> list[dict]:
         """The wrapped optimizer's ``param_groups``."""
-        return self.optimizer.param_groups if self._ready else self.__dict__["_own_groups"]
+        if self.__dict__.get("_ready"):
+            return self.optimizer.param_groups
+        return self.__dict__["param_groups"]
 
     @param_groups.setter
     def param_groups(self, groups: list[dict]) -> None:
-        if self._ready:
+        if self.__dict__.get("_ready"):
             self.optimizer.param_groups = groups
         else:
-            self.__dict__["_own_groups"] = groups
+            self.__dict__["param_groups"] = groups
 
     @property
     def state(self) -> dict:
         """The wrapped optimizer's ``state``."""
-        return self.optimizer.state if self._ready else self.__dict__["_own_state"]
+        return self.optimizer.state if self.__dict__.get("_ready") else self.__dict__["state"]
 
     @state.setter
     def state(self, state: dict) -> None:
-        if self._ready:
+        if self.__dict__.get("_ready"):
             self.optimizer.state = state
         else:
-            self.__dict__["_own_state"] = state
+            self.__dict__["state"] = state
 
     @property
     def world_size(self) -> int:
@@ -521,6 +525,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Collective: every rank must call it. Without a scaler it raises
         :class:`NonFiniteGradientError` as ``step()`` does (the step is then dropped on
         every rank)."""
+        if self._applying:
+            return  # done already: the wrapped optimizer raised on these averages, step() retries
         if self._steps_first:
             raise RuntimeError(
                 f"synchronize() exchanges gradients; with exchange={self.exchange!r} the "
@@ -1010,6 +1016,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
+        self._applying = self._unapplied = False  # (a failed step before the load is gone)
         self._load_residuals(ours["residuals"] if keep_residuals else [])
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
@@ -1046,6 +1053,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         owner = getattr(param, "_sparsecomm_owner", None)
         if owner is None or owner() is not self:
             return  # a newer CompressedOptimizer wraps this parameter now
+        if self._applying:  # a new backward, not a retry: the failed step's averages are gone
+            self._applying, self._unapplied = False, True
         if self._synchronized:
             # .grad holds the average now: a gradient added to it would be this rank's alone.
             raise RuntimeError(
@@ -1267,6 +1276,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         total = flags[0:1]
         torch.sum(flags[1 : 1 + world_size], dim=0, keepdim=True, out=total)
         refused = total.le(_peak_bound(world_size, self._engine.narrow)).logical_not_()
+        if world_size > 1:  # refused on the device too, so that no average is written
+            unapplied = flags[1 + world_size : 1 + 2 * world_size].ge(_UNAPPLIED)
+            refused.logical_or_(unapplied.any() != unapplied.all())
         verdict = flags
         if device.type != "cuda":
             return _Agreement(refused, verdict, None)

@@ -698,25 +698,47 @@ class FlakySGD(torch.optim.SGD):
 
 def wrapped_step_raises(rank, world_size, exchange: str, raising: list, then: str):
     """Six steps of ``TopK(0.05)`` with a density warm-up; at step 2 the wrapped
-    optimizer's step raises on the ranks in ``raising``, which then call ``opt.step()``
-    again (``then="retry"``) or go on (``"zero_grad"``). Returns the (shared) parameters,
-    the steps taken and each error a rank saw: ``(step, type, start of the message)``."""
+    optimizer's step raises on the ranks in ``raising``. Then, ``then``:
+
+    - ``"retry"``: those ranks call ``opt.step()`` again;
+    - ``"synchronize"``: every step is ``opt.synchronize(); opt.step()``, and the retry too;
+    - ``"zero_grad"``: they go on (``opt.zero_grad()``, as every step);
+    - ``"model.zero_grad"``: every step clears with ``model.zero_grad()`` instead;
+    - ``"reload"``: they go on, and every rank then loads the model and optimizer state
+      it had before step 2.
+
+    Returns the (shared) parameters, the steps taken and each error a rank saw: ``(step,
+    type, start of the message, whether the step left the residuals as they were)``."""
     model = make_model()
     fail_at = 3 if rank in raising else None
     inner = FlakySGD(model.parameters(), fail_at=fail_at, lr=0.05, momentum=0.9)
     compressor = sparsecomm.TopK(0.05, warmup_steps=6)
     opt = sparsecomm.CompressedOptimizer(inner, compressor, exchange=exchange, bucket_cap_mb=0.01)
-    errors = []
-    for step in range(6):
-        x, y = batch(rank, step)
+    clear = model.zero_grad if then == "model.zero_grad" else opt.zero_grad
+
+    def step():
+        if then == "synchronize":
+            opt.synchronize()
+        opt.step()
+
+    errors, saved = [], None
+    for step_index in range(6):
+        if step_index == 2 and then == "reload":
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        if step_index == 3 and then == "reload":
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        before = opt.residual(model[0].weight)
+        x, y = batch(rank, step_index)
         torch.nn.functional.mse_loss(model(x), y).backward()
         try:
-            opt.step()
+            step()
         except RuntimeError as error:
-            errors.append((step, type(error).__name__, str(error)[:100]))
-            if then == "retry" and "simulated" in str(error):
-                opt.step()
-        opt.zero_grad()
+            kept = torch.equal(before, opt.residual(model[0].weight))
+            errors.append((step_index, type(error).__name__, str(error)[:100], kept))
+            if then in ("retry", "synchronize") and "simulated" in str(error):
+                step()
+        clear()
     if exchange == "local_updates":  # each rank's model is the shared one less its residual
         with opt.shared_parameters():
             return flat(model.parameters()), opt.steps_taken, errors

@@ -592,22 +592,34 @@ def _wrapped_step_raises(exchange, raising, then):
 
 @pytest.mark.parametrize(
     "raising, then",
-    [([0, 1], "retry"), ([1], "retry"), ([0, 1], "zero_grad")],
-    ids=["every-rank-retries", "one-rank-retries", "every-rank-skips"],
+    [
+        ([0, 1], "retry"),
+        ([1], "retry"),
+        ([1], "synchronize"),
+        ([0, 1], "zero_grad"),
+        ([0, 1], "model.zero_grad"),
+    ],
+    ids=[
+        "every-rank-retries",
+        "one-rank-retries",
+        "one-rank-retries-after-synchronize",
+        "every-rank-skips",
+        "every-rank-skips-clearing-grads-another-way",
+    ],
 )
 def test_a_wrapped_step_that_raised_is_retried_or_skipped_alike(raising, then):
     """The wrapped optimizer's step raises at step 2: calling step() again applies the
     same averages (no second exchange; the density schedule goes on in step), giving the
     bits of a run without the failure; zero_grad() on every rank skips it on every rank."""
-    clean = _wrapped_step_raises("gradients", [], "retry")
+    clean = _wrapped_step_raises("gradients", [], then)
     results = _wrapped_step_raises("gradients", raising, then)
     for rank, (params, steps, errors) in enumerate(results):
         assert [e[:2] for e in errors] == ([(2, "RuntimeError")] if rank in raising else [])
         assert steps == 6
-        if then == "retry":
+        if then in ("retry", "synchronize"):
             assert torch.equal(bits(params), bits(clean[rank][0])), f"rank {rank}"
     assert_same_on_every_rank([params for params, _, _ in results], "parameters")
-    if then == "zero_grad":
+    if then.endswith("zero_grad"):
         assert not torch.equal(bits(results[0][0]), bits(clean[0][0]))
 
 
@@ -620,7 +632,17 @@ def test_a_wrapped_step_that_raised_on_one_rank_only_raises_on_every_rank_after(
         apart = [e for e in errors if e[0] == 3]
         assert apart and apart[0][1] == "_RanksApartError", errors
         assert "did not apply the previous step" in apart[0][2]
+        assert apart[0][3], "the refused step changed the residuals"
     assert [e[:2] for e in results[1][2]][0] == (2, "RuntimeError")
+
+
+def test_a_checkpoint_loaded_on_every_rank_after_a_failed_step_goes_on():
+    """Rank 1's wrapped step raises at step 2 and it goes on; then every rank loads the
+    state it had before step 2: the ranks are together again, and no error follows."""
+    results = _wrapped_step_raises("gradients", [1], "reload")
+    assert [e[:2] for e in results[0][2]] == []
+    assert [e[:2] for e in results[1][2]] == [(2, "RuntimeError")]
+    assert_same_on_every_rank([params for params, _, _ in results], "parameters")
 
 
 @pytest.mark.parametrize("exchange", ["updates", "local_updates"])
