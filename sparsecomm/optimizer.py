@@ -335,10 +335,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._drop_pending = False  # drop_step() inside no_sync(): told at the exchange
         self._dropped_here = False  # drop_step() sent this rank's part: until step()/zero_grad()
         self._agreement_started = False  # this step's agreement was issued (not droppable)
-        # The wrapped optimizer's step on this step's averages raised (step() retries it),
-        # and whether a step of averages was never applied here (zero_grad() after that):
-        # told to the other ranks at the next agreement.
+        # The wrapped optimizer's step on this step's averages raised (step() retries it
+        # while every .grad is still the average it was: _retrying), and whether a step of
+        # averages was never applied here (the gradients cleared or replaced since): told to
+        # the other ranks at the next agreement.
         self._applying = False
+        self._averages: list | None = None  # the .grad tensors it raised on
         self._unapplied = False
         self._step_stats = StepStats()
         self._hooks: list = []
@@ -471,6 +473,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """
         if self._dropped_here or (self._drop_pending and not self._sync_enabled):
             return  # dropped already: its part is sent (or will be, at the exchange)
+        if self._applying:  # a new step: the averages the wrapped optimizer raised on are gone
+            self._forget_failed_step()
         if self._synchronized:
             raise RuntimeError(
                 "drop_step() after a backward that finished: this step's gradients were "
@@ -525,7 +529,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Collective: every rank must call it. Without a scaler it raises
         :class:`NonFiniteGradientError` as ``step()`` does (the step is then dropped on
         every rank)."""
-        if self._applying:
+        if self._retrying():
             return  # done already: the wrapped optimizer raised on these averages, step() retries
         if self._steps_first:
             raise RuntimeError(
@@ -570,7 +574,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # at the end of their accumulation still waits for this rank's part.
             self._send_drop()
         if self._applying:  # averages the wrapped optimizer raised on, not retried
-            self._applying, self._unapplied = False, True
+            self._forget_failed_step()
         if self._synchronized:
             self._finish_step(skipped=True)
         elif self._engine.in_progress() or self._callback_queued:
@@ -608,7 +612,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 error = _check_group_momentum(group, self.optimizer)
                 if error is not None:
                     raise error
-        if self._applying:  # the wrapped optimizer raised on these averages: again
+        if self._retrying():  # the wrapped optimizer raised on these averages: again
             self._apply()
             return loss
         if self._synchronized and self._refusal is not None:
@@ -637,6 +641,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # step raises (its next step() retries it).
         self._finish_step(skipped=False)
         self._applying = True
+        self._averages = [p.grad for p in self._params]
         self._apply()
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
@@ -646,7 +651,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         next ``step()`` calls it again on the same averages; a ``zero_grad()`` instead
         leaves them unapplied, which the next exchange's agreement tells every rank."""
         self.optimizer.step()
-        self._applying = False
+        self._applying, self._averages = False, None
+
+    def _retrying(self) -> bool:
+        """Whether ``step()`` retries the wrapped step that raised: every ``.grad`` is
+        still the average it raised on. Gradients cleared or replaced since (``zero_grad``
+        of the model, a new backward, gradients set by hand) make it a new step, and the
+        failed one unapplied."""
+        if self._applying and any(
+            p.grad is not average for p, average in zip(self._params, self._averages)
+        ):
+            self._forget_failed_step()
+        return self._applying
+
+    def _forget_failed_step(self) -> None:
+        self._applying, self._averages, self._unapplied = False, None, True
 
     def _adopt_scaler(self, grad_scaler) -> None:
         """Turn the overlap off for a ``GradScaler``; refuse (and skip) a step whose
@@ -1017,6 +1036,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
         self._applying = self._unapplied = False  # (a failed step before the load is gone)
+        self._averages = None
         self._load_residuals(ours["residuals"] if keep_residuals else [])
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
@@ -1035,7 +1055,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Whether this step's exchange is done (and not refused or dropped) and the
         wrapped optimizer has not stepped yet."""
         waiting = self._synchronized and self._refusal is None and not self._dropped_here
-        return waiting or self._applying
+        return waiting or self._retrying()
 
     def __repr__(self) -> str:
         return (
@@ -1054,7 +1074,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if owner is None or owner() is not self:
             return  # a newer CompressedOptimizer wraps this parameter now
         if self._applying:  # a new backward, not a retry: the failed step's averages are gone
-            self._applying, self._unapplied = False, True
+            self._forget_failed_step()
         if self._synchronized:
             # .grad holds the average now: a gradient added to it would be this rank's alone.
             raise RuntimeError(

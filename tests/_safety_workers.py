@@ -705,7 +705,11 @@ def wrapped_step_raises(rank, world_size, exchange: str, raising: list, then: st
     - ``"zero_grad"``: they go on (``opt.zero_grad()``, as every step);
     - ``"model.zero_grad"``: every step clears with ``model.zero_grad()`` instead;
     - ``"reload"``: they go on, and every rank then loads the model and optimizer state
-      it had before step 2.
+      it had before step 2;
+    - ``"drop"``: every step clears with ``model.zero_grad()``, and at step 3 those ranks'
+      backward fails before any gradient (``opt.drop_step()``);
+    - ``"by_hand"``: every step clears with ``model.zero_grad()``, and at step 3 every
+      rank sets its gradients by hand, then ``opt.synchronize(); opt.step()``.
 
     Returns the (shared) parameters, the steps taken and each error a rank saw: ``(step,
     type, start of the message, whether the step left the residuals as they were)``."""
@@ -714,10 +718,12 @@ def wrapped_step_raises(rank, world_size, exchange: str, raising: list, then: st
     inner = FlakySGD(model.parameters(), fail_at=fail_at, lr=0.05, momentum=0.9)
     compressor = sparsecomm.TopK(0.05, warmup_steps=6)
     opt = sparsecomm.CompressedOptimizer(inner, compressor, exchange=exchange, bucket_cap_mb=0.01)
-    clear = model.zero_grad if then == "model.zero_grad" else opt.zero_grad
+    clear = opt.zero_grad
+    if then in ("model.zero_grad", "drop", "by_hand"):
+        clear = model.zero_grad
 
     def step():
-        if then == "synchronize":
+        if then == "synchronize" or (then == "by_hand" and step_index == 3):
             opt.synchronize()
         opt.step()
 
@@ -730,7 +736,13 @@ def wrapped_step_raises(rank, world_size, exchange: str, raising: list, then: st
             opt.load_state_dict(saved[1])
         before = opt.residual(model[0].weight)
         x, y = batch(rank, step_index)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step_index == 3 and then == "drop" and rank in raising:
+            opt.drop_step()  # (its forward ran out of memory, say)
+        elif step_index == 3 and then == "by_hand":
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01 * (rank + 1))
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
         try:
             step()
         except RuntimeError as error:

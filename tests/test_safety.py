@@ -636,6 +636,20 @@ def test_a_wrapped_step_that_raised_on_one_rank_only_raises_on_every_rank_after(
     assert [e[:2] for e in results[1][2]][0] == (2, "RuntimeError")
 
 
+@pytest.mark.parametrize("then", ["drop", "by_hand"])
+def test_a_failed_step_left_behind_by_a_new_step_is_told_to_every_rank(then):
+    """Rank 0's wrapped step raises at step 2 and the loop clears the gradients with
+    model.zero_grad(); at step 3 rank 0 drops its step (its forward failed), or every
+    rank sets its gradients by hand. Step 3 is a new step, not a retry of step 2: it is
+    exchanged on every rank, and every rank raises the same error, rank 0 having left
+    step 2 unapplied; the ranks stay in step for the collectives after it."""
+    results = _wrapped_step_raises("gradients", [0], then)
+    for rank, (_, _, errors) in enumerate(results):
+        expected = [(2, "RuntimeError")] if rank == 0 else []
+        assert [e[:2] for e in errors] == expected + [(3, "_RanksApartError")], errors
+        assert errors[-1][3], "the refused step changed the residuals"
+
+
 def test_a_checkpoint_loaded_on_every_rank_after_a_failed_step_goes_on():
     """Rank 1's wrapped step raises at step 2 and it goes on; then every rank loads the
     state it had before step 2: the ranks are together again, and no error follows."""
