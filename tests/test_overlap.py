@@ -338,7 +338,9 @@ def test_ddp_hook_raises_the_error_of_a_collective_that_failed(compressor):
     assert outcome != "no error"
     kind, message = outcome
     assert "IndexError" not in kind + message, outcome
-    assert "timed out" in message.lower() or "connection" in message.lower(), outcome
+    # gloo's words for it vary: "Timed out waiting", "Application timeout caused pair
+    # closure", "Connection reset by peer".
+    assert any(word in message.lower() for word in ("time", "connection", "clos")), outcome
 
 
 @pytest.mark.parametrize("which", ["dtype", "dense_iterations"])
