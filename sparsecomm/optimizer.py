@@ -148,11 +148,37 @@ class _RanksApartError(RuntimeError):
 def _unapplied_error(ranks: list[int]) -> RuntimeError:
     return _RanksApartError(
         f"rank(s) {ranks} did not apply the previous step: the wrapped optimizer's step "
-        "raised there and zero_grad() followed, while the other ranks applied it, so the "
+        "raised there and its averages were left (zero_grad(), a new backward, drop_step() "
+        "or gradients set by hand followed), while the other ranks applied it, so the "
         "ranks' parameters differ now. Restart every rank from the last checkpoint. (After "
         "the wrapped optimizer's step raises, calling opt.step() again applies the same "
         "averaged gradients; if it raised on every rank, zero_grad() skips it everywhere.)"
     )
+
+
+class _Wrapped:
+    """An attribute of ``CompressedOptimizer`` that is its wrapped optimizer's
+    (``param_groups``, ``state``): shared, not copied, so that a scheduler changing a
+    learning rate here changes it there, also after the wrapped optimizer's own
+    ``load_state_dict()`` built new containers. Before the wrapper is ready
+    (``torch.optim.Optimizer.__init__`` fills containers of its own first), and in a copy
+    (which torch.optim's pickling support builds from these two alone), the object's own."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        if obj.__dict__.get("_ready"):
+            return getattr(obj.optimizer, self.name)
+        return obj.__dict__[self.name]
+
+    def __set__(self, obj, value) -> None:
+        if obj.__dict__.get("_ready"):
+            setattr(obj.optimizer, self.name, value)
+        else:
+            obj.__dict__[self.name] = value
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
@@ -352,36 +378,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ public API
 
-    # Shared, not copied: a scheduler that changes a learning rate here changes it there,
-    # also after the wrapped optimizer's own load_state_dict() built new containers.
-    # (torch.optim.Optimizer.__init__ fills containers of its own first.)
-    # (Before that, and in a copy, which torch.optim.Optimizer's pickling support builds
-    # from param_groups and state alone, they are the object's own.)
-    @property
-    def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's ``param_groups``."""
-        if self.__dict__.get("_ready"):
-            return self.optimizer.param_groups
-        return self.__dict__["param_groups"]
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict]) -> None:
-        if self.__dict__.get("_ready"):
-            self.optimizer.param_groups = groups
-        else:
-            self.__dict__["param_groups"] = groups
-
-    @property
-    def state(self) -> dict:
-        """The wrapped optimizer's ``state``."""
-        return self.optimizer.state if self.__dict__.get("_ready") else self.__dict__["state"]
-
-    @state.setter
-    def state(self, state: dict) -> None:
-        if self.__dict__.get("_ready"):
-            self.optimizer.state = state
-        else:
-            self.__dict__["state"] = state
+    # param_groups and state: the wrapped optimizer's (:class:`_Wrapped`).
+    param_groups = _Wrapped()
+    state = _Wrapped()
 
     @property
     def world_size(self) -> int:
@@ -640,8 +639,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # and the density schedule must stay the same on every rank even if this rank's
         # step raises (its next step() retries it).
         self._finish_step(skipped=False)
-        self._applying = True
-        self._averages = [p.grad for p in self._params]
         self._apply()
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
@@ -650,7 +647,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Step the wrapped optimizer on the averages in ``.grad``. Should it raise, the
         next ``step()`` calls it again on the same averages; a ``zero_grad()`` instead
         leaves them unapplied, which the next exchange's agreement tells every rank."""
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except BaseException:
+            if not self._applying:  # (a retry that raised again keeps the first record)
+                self._applying, self._averages = True, [p.grad for p in self._params]
+            raise
         self._applying, self._averages = False, None
 
     def _retrying(self) -> bool:
