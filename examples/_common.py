@@ -120,7 +120,8 @@ def make_parser(description: str, **defaults: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="with --optimizer shared-moment-adamw: steps between refreshes of the shared "
-        "second moment (each all-reduces the gradients in bfloat16; default 10)",
+        "second moment (each all-reduces the gradients in bfloat16); not given: "
+        "SharedMomentAdamW's own, 10",
     )
     add("--lr", type=float, default=0.05, help="peak learning rate")
     add("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
@@ -201,6 +202,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"--density-warmup-start must be in (0, 1], got {args.density_warmup_start}; the "
             "exponential warm-up's first density (below --density it starts at --density)"
         )
+    if args.density_warmup and args.compressor != "topk":
+        parser.error("--density-warmup warms TopK's density up: it needs --compressor topk")
     if args.select == "adam" and args.compressor != "topk":
         parser.error("--select adam picks TopK's coordinates: it needs --compressor topk")
     if args.topk_values != "fp32" and args.compressor != "topk":

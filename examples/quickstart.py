@@ -7,6 +7,7 @@ Runs on CPU with gloo (NCCL when CUDA is there) and prints, on rank 0, the loss 
 each rank sent against what dense fp32 all-reduce would have sent.
 """
 
+import argparse
 import os
 
 import torch
@@ -17,6 +18,9 @@ import sparsecomm
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
+    args = parser.parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     launched = "RANK" in os.environ  # by torchrun; plain `python` trains on one process
     if launched:
@@ -32,15 +36,21 @@ def main() -> None:
         torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
     ).to(device)
     opt = sparsecomm.CompressedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
         compressor=sparsecomm.TopK(density=0.01),
     )
 
-    # A fixed random teacher; each rank draws its own batches.
-    teacher = torch.nn.Linear(64, 10).to(device)
-    torch.nn.init.normal_(teacher.weight, std=0.125, generator=torch.Generator().manual_seed(0))
+    # One random teacher, the same on every rank (its own generator, on the CPU); each
+    # rank draws its own batches.
+    fixed = torch.Generator().manual_seed(0)
+    teacher = torch.nn.Linear(64, 10)
+    with torch.no_grad():
+        teacher.weight.normal_(std=0.125, generator=fixed)
+        teacher.bias.normal_(std=0.125, generator=fixed)
+    teacher = teacher.to(device)
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
-    for step in range(200):
+    losses = []
+    for step in range(1, args.steps + 1):
         x = torch.randn(32, 64, device=device, generator=gen)
         with torch.no_grad():
             y = teacher(x)
@@ -48,13 +58,16 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if rank == 0 and step % 50 == 0:
-            print(f"step {step:3d}  loss {loss.item():.4f}")
+        losses.append(loss.item())
+        if rank == 0 and (step % 50 == 0 or step == args.steps):
+            recent = losses[-50:]  # one batch's loss jumps about: the mean of the last 50
+            mean = sum(recent) / len(recent)
+            print(f"step {step:4d}  loss {mean:.4f} (mean of the last {len(recent)})")
 
     total = opt.total_stats
     if rank == 0:
         print(
-            f"final loss {loss.item():.4f}; rank 0 sent {total.bytes_sent / 1e6:.2f} MB, "
+            f"rank 0 sent {total.bytes_sent / 1e6:.2f} MB, "
             f"dense fp32 would have sent {total.dense_bytes / 1e6:.2f} MB "
             f"({total.compression_ratio:.0f}x fewer bytes, density {total.density:.3f})"
         )

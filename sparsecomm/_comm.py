@@ -1,11 +1,13 @@
 """The few torch.distributed collectives sparsecomm uses, bound to one process group.
 
 Without an initialized process group (or with one rank) every collective is the identity,
-so the optimizer runs locally with the same code path.
+so the optimizer runs locally with the same code path; but a process that torchrun started
+as one of several (``WORLD_SIZE`` above 1) must initialize its group first.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -40,6 +42,15 @@ class Communicator:
                     "process_group was given but torch.distributed is not initialized; call "
                     "torch.distributed.init_process_group(...) first, or pass process_group=None "
                     "to train on one process"
+                )
+            launched = os.environ.get("WORLD_SIZE", "1")
+            if launched.isdigit() and int(launched) > 1:
+                raise RuntimeError(
+                    f"torch.distributed is not initialized, but WORLD_SIZE={launched} says "
+                    "this process is one of several (torchrun sets it): each would train "
+                    "alone, its parameters apart from the others'. Call "
+                    "torch.distributed.init_process_group(backend) on every rank first; to "
+                    "train on one process, leave WORLD_SIZE unset"
                 )
             self.world_size = 1
             self.rank = 0

@@ -535,7 +535,9 @@ class BucketEngine:
         ``adopt`` (a gradient autograd just produced), a bucket that :attr:`~Bucket.adopts`
         takes the gradient tensor itself as its buffer."""
         param = bucket.params[member]
-        grad = param.grad
+        # A parameter frozen since wrapping has no gradient, whatever its .grad holds (a
+        # zeroed view of the bucket, after zero_grad(set_to_none=False)).
+        grad = param.grad if param.requires_grad else None
         if grad is not None:
             _refuse_own_buffer(bucket, grad)
         if adopt and bucket.adopts and id(param) in self.fresh and _adoptable(grad, bucket):

@@ -135,17 +135,32 @@ class StepDroppedError(RuntimeError):
         )
 
 
-# A rank's status in a step's agreement (bits): it dropped the step (drop_step()); the
-# wrapped optimizer raised on its previous step's averages and they were never applied.
+# A rank's status in a step's agreement: it dropped the step (drop_step()).
 _DROPPED = 1
-_UNAPPLIED = 2
+# A rank's position in a step's agreement: its step count (modulo this, so that float32
+# holds it exactly) times two, plus one if the wrapped optimizer raised on its previous
+# step's averages and they were never applied. The ranks' positions differ exactly when
+# their parameters do.
+_POSITION_MODULUS = 1 << 22
 
 
 class _RanksApartError(RuntimeError):
     """The ranks' parameters differ: no GradScaler may turn it into a skipped step."""
 
 
-def _unapplied_error(ranks: list[int]) -> RuntimeError:
+def _ranks_apart_error(positions: list[int]) -> RuntimeError:
+    """The error every rank raises when the ranks' positions (_POSITION_MODULUS) differ."""
+    steps = [position // 2 for position in positions]
+    if len(set(steps)) > 1:
+        return _RanksApartError(
+            f"the ranks have taken different numbers of steps (by rank, modulo "
+            f"{_POSITION_MODULUS}: {steps}), so their parameters differ now: after a "
+            "backward whose gradients were exchanged, some ranks called step() and others "
+            "skipped it (zero_grad() without step()), or some ranks loaded a checkpoint "
+            "alone. Restart every rank from the last checkpoint, and skip a step on every "
+            "rank or on none"
+        )
+    ranks = [rank for rank, position in enumerate(positions) if position % 2]
     return _RanksApartError(
         f"rank(s) {ranks} did not apply the previous step: the wrapped optimizer's step "
         "raised there and its averages were left (zero_grad(), a new backward, drop_step() "
@@ -156,13 +171,18 @@ def _unapplied_error(ranks: list[int]) -> RuntimeError:
     )
 
 
+def _hook_result(result: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """What a state-dict hook returned, or the dict it was given (it returned None)."""
+    return state if result is None else result
+
+
 class _Wrapped:
     """An attribute of ``CompressedOptimizer`` that is its wrapped optimizer's
     (``param_groups``, ``state``): shared, not copied, so that a scheduler changing a
     learning rate here changes it there, also after the wrapped optimizer's own
     ``load_state_dict()`` built new containers. Before the wrapper is ready
-    (``torch.optim.Optimizer.__init__`` fills containers of its own first), and in a copy
-    (which torch.optim's pickling support builds from these two alone), the object's own."""
+    (``torch.optim.Optimizer.__init__`` fills containers of its own first), the object's
+    own."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -562,7 +582,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         Called after a backward that finished and before ``step()`` (on every rank), it
         skips that step (``StepStats.skipped_steps``), keeping the residuals the exchange
-        left. After a backward that raised, call :meth:`drop_step` first.
+        left; so does the next backward after ``model.zero_grad()`` there. After a
+        backward that raised, call :meth:`drop_step` first.
 
         Raises:
             RuntimeError: this rank's backward raised part-way and its step was not
@@ -984,7 +1005,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state and this rank's residuals, as tensors and plain
         values only (``torch.load(..., weights_only=True)`` reads it back). Per rank: save
         one file per rank. Not between a backward whose exchange is done and ``step()``:
-        the residuals are then this step's and the optimizer's state the step before's."""
+        the residuals are then this step's and the optimizer's state the step before's.
+        Hooks registered with ``register_state_dict_pre_hook`` and
+        ``register_state_dict_post_hook`` run as torch.optim runs them."""
         if self._exchanged_not_stepped():
             raise RuntimeError(
                 "state_dict() between backward() and step(): this step's gradients are "
@@ -992,10 +1015,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "stepped, so a checkpoint now would resume with this step's gradient counted "
                 "twice. Call state_dict() after step() (or before backward())"
             )
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = _hook_result(post_hook(self, state), state)
+        return state
+
+    def _state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
             "sparsecomm": {
                 "format": _STATE_FORMAT,
+                "optimizer_class": type(self.optimizer).__name__,
                 "world_size": self.world_size,
                 "rank": self.rank,
                 "compressor": self.compressor.config(),
@@ -1027,13 +1059,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (and momentum-correction velocities): the gradient they held, not sent yet, is
         dropped. Every rank may load the same file (rank 0's, say). The parameters must
         still be the ones saved. Not between a backward whose exchange is done and
-        ``step()``, which would apply that step's average to the loaded state."""
+        ``step()``, which would apply that step's average to the loaded state. Hooks
+        registered with ``register_load_state_dict_pre_hook`` (which may return the dict to
+        load) and ``register_load_state_dict_post_hook`` run as torch.optim runs them."""
         if self._exchanged_not_stepped():
             raise RuntimeError(
                 "load_state_dict() between backward() and step(): this step's gradients are "
                 "exchanged already, and step() would apply their average to the loaded "
                 "state. Load before backward() (or after step(), or zero_grad())"
             )
+        state_dict = dict(state_dict)  # (a hook may change it: not the caller's)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _hook_result(pre_hook(self, state_dict), state_dict)
+        self._load_state_dict(state_dict, keep_residuals)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any], keep_residuals: bool) -> None:
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
@@ -1059,6 +1101,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         waiting = self._synchronized and self._refusal is None and not self._dropped_here
         return waiting or self._retrying()
 
+    def __getstate__(self):
+        # (copy.copy, copy.deepcopy and pickle all come here; torch.optim's own would keep
+        # three attributes of dozens, and the copy would fail only when used)
+        raise TypeError(
+            "a CompressedOptimizer cannot be copied or pickled: it holds the process group, "
+            "hooks on the model's parameters and this rank's residuals. Save "
+            "opt.state_dict() (one file per rank), and load it into the CompressedOptimizer "
+            "built on each rank: opt.load_state_dict(state)"
+        )
+
     def __repr__(self) -> str:
         return (
             f"CompressedOptimizer({self.optimizer.__class__.__name__}, "
@@ -1078,12 +1130,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._applying:  # a new backward, not a retry: the failed step's averages are gone
             self._forget_failed_step()
         if self._synchronized:
-            # .grad holds the average now: a gradient added to it would be this rank's alone.
-            raise RuntimeError(
-                "backward ran again after this step's gradients were exchanged and before "
-                "step(). To accumulate gradients over several backward passes, run all but "
-                "the last inside `with opt.no_sync():`" + self._nested_hint()
-            )
+            if not self._cleared_since_exchange(param):
+                # .grad holds the average: a gradient added to it would be this rank's alone.
+                raise RuntimeError(
+                    "backward ran again after this step's gradients were exchanged and "
+                    "before step(). To accumulate gradients over several backward passes, "
+                    "run all but the last inside `with opt.no_sync():`; to throw the first "
+                    "backward's gradients away, call opt.zero_grad() before the next"
+                    + self._nested_hint()
+                )
+            self._finish_step(skipped=True)  # as opt.zero_grad() there would have
         if not self._sync_enabled:
             return
         if not self._overlapping:  # the exchange runs in step(): only mark the backward open
@@ -1109,6 +1165,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if not hint:
                 raise
             raise RuntimeError(f"{error}{hint}") from None
+
+    def _cleared_since_exchange(self, param: torch.Tensor) -> bool:
+        """Whether the averages the exchange handed out are gone, cleared by something
+        other than ``opt.zero_grad()`` (``model.zero_grad()``) before this new backward
+        reached ``param``: every other parameter's ``.grad`` is None or zero, and
+        ``param``'s is not the bucket view it was given (unless others had averages to
+        tell by). Then nothing of the averages is left for this backward to add to, and it
+        starts a new step. Runs only on this path, off the step's: it reads every gradient
+        (on CUDA, one host synchronisation)."""
+        others = [p.grad for p in self._params if p is not param and p.grad is not None]
+        if not others:
+            bucket, member = self._engine.member_of[id(param)]
+            given = bucket.grad_views[member] if bucket.grad_views else None
+            return param.dtype == torch.float32 and param.grad is not given
+        peaks = torch._foreach_norm(others, math.inf)
+        return not torch.stack([peak.float().cpu() for peak in peaks]).any().item()
 
     def _nested_hint(self) -> str:
         """Why a gradient came too late, when the backward it belongs to began before the
@@ -1272,21 +1344,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         world_size = self.world_size
         device = peak.device if peak is not None else torch.device("cpu")
         # flags: [sum of the peaks (slot 0, set after the all-reduce), each rank's peak,
-        # each rank's status (_DROPPED, _UNAPPLIED bits), each parameter's used flag]. Each
-        # rank has slots of its own (the others add 0 there, and NaN stays NaN), and a used
-        # flag is above 0 if any rank used the parameter.
+        # each rank's status (_DROPPED), each rank's position (_POSITION_MODULUS), each
+        # parameter's used flag]. Each rank has slots of its own (the others add 0 there,
+        # and NaN stays NaN), and a used flag is above 0 if any rank used the parameter.
         if used_here == self._engine.held:  # every parameter with a bucket has a gradient
             flags = self._flags_template(device).clone()  # (no host copy)
         else:
-            flags = torch.zeros(1 + 2 * world_size + len(used_here), device=device)
+            flags = torch.zeros(1 + 3 * world_size + len(used_here), device=device)
             used = torch.tensor(used_here, dtype=torch.float32)
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
-            flags[1 + 2 * world_size :] = used.to(device, non_blocking=True)
-        status = (_DROPPED if dropped else 0) | (_UNAPPLIED if self._unapplied else 0)
+            flags[1 + 3 * world_size :] = used.to(device, non_blocking=True)
+        if dropped:
+            flags[1 + world_size + self.rank] = float(_DROPPED)
+        if world_size > 1:
+            steps = self._steps_taken % _POSITION_MODULUS
+            flags[1 + 2 * world_size + self.rank] = float(2 * steps + self._unapplied)
         self._unapplied = False
-        if status:
-            flags[1 + world_size + self.rank] = float(status)
         if dropped:  # an infinite peak: refused on the device as a non-finite one would be
             flags[1 + self.rank] = math.inf
         elif peak is not None:
@@ -1298,9 +1372,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         total = flags[0:1]
         torch.sum(flags[1 : 1 + world_size], dim=0, keepdim=True, out=total)
         refused = total.le(_peak_bound(world_size, self._engine.narrow)).logical_not_()
-        if world_size > 1:  # refused on the device too, so that no average is written
-            unapplied = flags[1 + world_size : 1 + 2 * world_size].ge(_UNAPPLIED)
-            refused.logical_or_(unapplied.any() != unapplied.all())
+        if world_size > 1:  # ranks apart: refused on the device too, so that no average is written
+            lowest, highest = torch.aminmax(flags[1 + 2 * world_size : 1 + 3 * world_size])
+            refused.logical_or_(lowest != highest)
         verdict = flags
         if device.type != "cuda":
             return _Agreement(refused, verdict, None)
@@ -1319,7 +1393,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         one launch."""
         template = self._template
         if template is None or template[0] is not self._engine or template[1].device != device:
-            flags = torch.zeros(2 * self.world_size + 1, device=device)
+            flags = torch.zeros(3 * self.world_size + 1, device=device)
             used = torch.tensor(self._engine.held, dtype=torch.float32, device=device)
             template = self._template = (self._engine, torch.cat([flags, used]))
         return template[1]
@@ -1333,11 +1407,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         world_size = self.world_size
         values = agreement.host.tolist()
         peaks = values[1 : 1 + world_size]
-        used = [f > 0 for f in values[1 + 2 * world_size :]]
+        used = [f > 0 for f in values[1 + 3 * world_size :]]
         status = [int(f) for f in values[1 + world_size : 1 + 2 * world_size]]
-        unapplied = [r for r in range(world_size) if status[r] & _UNAPPLIED]
-        if 0 < len(unapplied) < world_size:
-            return _unapplied_error(unapplied), used
+        positions = [int(f) for f in values[1 + 2 * world_size : 1 + 3 * world_size]]
+        if len(set(positions)) > 1:
+            return _ranks_apart_error(positions), used
         if values[0] <= _peak_bound(world_size, self._engine.narrow):
             return None, used
         dropped = [r for r in range(world_size) if status[r] & _DROPPED]
@@ -1559,10 +1633,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self.exchange,
             ],
             "params": [_entry(p) for p in params],
+            "optimizer": _optimizer_settings(self.optimizer),
         }
         everyone = self._comm.all_gather_object(mine)
         first = everyone[0]
         for rank, theirs in enumerate(everyone):
+            if theirs["optimizer"] != first["optimizer"]:
+                raise ValueError(
+                    f"ranks wrap different optimizers: rank 0 has {first['optimizer']}, rank "
+                    f"{rank} has {theirs['optimizer']} (its class, then each parameter "
+                    "group's settings); the ranks' parameters would step apart. Build the "
+                    "wrapped optimizer with the same settings on every rank"
+                )
             if theirs["settings"] != first["settings"]:
                 raise ValueError(
                     f"ranks disagree on settings: rank 0 has {first['settings']}, rank {rank} "
@@ -1605,6 +1687,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         shapes = [list(p.shape) for p in self._params]
         if ours["shapes"] != shapes:
             raise refuse(_first_difference(ours["shapes"], shapes))
+        saved_class = ours.get("optimizer_class", type(self.optimizer).__name__)
+        if saved_class != type(self.optimizer).__name__:
+            raise refuse(
+                f"saved wrapping {saved_class}, this optimizer wraps "
+                f"{type(self.optimizer).__name__}, whose state the saved one is not. Wrap "
+                f"the {saved_class} it was saved with, or start this one afresh (load only "
+                "the model's state)"
+            )
         if not keep_residuals:
             return ours
         if ours["world_size"] != self.world_size:
@@ -1720,6 +1810,25 @@ def _first_difference(first: list, other: list, start: int = 0, rank: int | None
                 f"on {who}"
             )
     return f"{base} has {start + len(first)} parameters but {who} has {start + len(other)}"
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
+    """The wrapped optimizer's class and each parameter group's settings (numbers, flags,
+    strings and tuples of them; not its parameters), as the ranks compare them."""
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {}
+        for key, value in sorted(group.items()):
+            if torch.is_tensor(value) and value.numel() == 1:  # (a tensor learning rate)
+                value = value.item()
+            plain = (bool, int, float, str, type(None))
+            if isinstance(value, plain) or (
+                isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value)
+            ):
+                settings[key] = value
+        groups.append(settings)
+    # (as text: a NaN setting equals itself there)
+    return f"{type(optimizer).__name__} {groups}"
 
 
 def _entry(param: torch.Tensor) -> list:

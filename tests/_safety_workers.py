@@ -165,6 +165,22 @@ def one_rank_differs(rank, world_size, case: str, bad_rank: int):
                 bucket_cap_mb="25" if bad else 25,
             )
         )
+    elif case == "learning_rate":
+        outcome = attempt(
+            lambda: sparsecomm.CompressedOptimizer(
+                torch.optim.SGD(params, lr=0.1 if bad else 0.05), sparsecomm.TopK(0.1)
+            )
+        )
+    elif case == "optimizer_class":
+        inner = torch.optim.Adam if bad else torch.optim.AdamW
+        outcome = attempt(
+            lambda: sparsecomm.CompressedOptimizer(inner(params, lr=0.05), sparsecomm.TopK(0.1))
+        )
+    elif case == "add_group_learning_rate":
+        new = torch.nn.Parameter(torch.zeros(30))
+        outcome = attempt(
+            lambda: opt.add_param_group({"params": [new], "lr": 0.1 if bad else 0.05})
+        )
     elif case == "add_group_float64":
         outcome = attempt(lambda: opt.add_param_group({"params": [odd]}))
     elif case == "add_group_non_leaf":  # refused by the wrapped optimizer, on one rank
@@ -754,4 +770,30 @@ def wrapped_step_raises(rank, world_size, exchange: str, raising: list, then: st
     if exchange == "local_updates":  # each rank's model is the shared one less its residual
         with opt.shared_parameters():
             return flat(model.parameters()), opt.steps_taken, errors
+    return flat(model.parameters()), opt.steps_taken, errors
+
+
+def skip_on_some_ranks(rank, world_size, skipping: list, clear: str):
+    """Six steps of ``TopK(0.05)`` (overlap on, so from step 1 on backward exchanges); at
+    step 2 the ranks in ``skipping`` throw the exchanged gradients away instead of
+    stepping: ``clear`` is ``"opt.zero_grad"``, or ``"model.zero_grad"`` (the next
+    backward then skips the step). Returns the parameters, the steps taken and each error
+    a rank saw: ``(step, type, start of the message, whether the residuals stayed)``."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.05), bucket_cap_mb=0.01)
+    errors = []
+    for step_index in range(6):
+        before = opt.residual(model[0].weight)
+        x, y = batch(rank, step_index)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step_index == 2 and rank in skipping:
+            (opt.zero_grad if clear == "opt.zero_grad" else model.zero_grad)()
+            continue
+        try:
+            opt.step()
+        except RuntimeError as error:
+            kept = torch.equal(before, opt.residual(model[0].weight))
+            errors.append((step_index, type(error).__name__, str(error)[:100], kept))
+        opt.zero_grad()
     return flat(model.parameters()), opt.steps_taken, errors

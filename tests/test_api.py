@@ -647,6 +647,13 @@ def test_load_state_dict_errors_say_what_differs():
     with pytest.raises(ValueError, match="not a CompressedOptimizer.state_dict"):
         opt.load_state_dict(sgd(model).state_dict())
 
+    adamw = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05)
+    )
+    for keep_residuals in (True, False):  # (AdamW would raise KeyError 'betas' at its step)
+        with pytest.raises(ValueError, match="saved wrapping SGD, this optimizer wraps AdamW"):
+            adamw.load_state_dict(state, keep_residuals=keep_residuals)
+
 
 def test_keep_residuals_false_moves_to_another_world_size_or_compressor():
     """The warm-up's clock, the statistics and the wrapped optimizer's state carry over;
@@ -771,3 +778,124 @@ def test_frozen_parameters_keep_the_step_on_its_fast_path():
     assert opt._template is not None and opt._template[1][-4:].tolist() == [0, 0, 1, 1]
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------ torch.optim habits
+
+
+def _plain_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.05), sparsecomm.Threshold(1e-3)])
+def test_a_parameter_frozen_with_its_grad_zeroed_in_place_stays_put(compressor):
+    # zero_grad(set_to_none=False) leaves a frozen parameter's .grad as a zeroed view of its
+    # bucket: it must still count as unused, not send its residual and step on it.
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(_plain_sgd(model), compressor)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        if step == 3:
+            model[0].weight.requires_grad_(False)
+            frozen = model[0].weight.detach().clone()
+            residual = opt.residual(model[0].weight).clone()
+            assert residual.abs().max() > 0  # something held back, that could be sent
+        model(torch.randn(8, 40, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert torch.equal(model[0].weight, frozen)
+    assert torch.equal(opt.residual(model[0].weight), residual)  # nothing of it lost
+
+
+@pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16)])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_between_backward_and_step_skips_the_step_as_opt_zero_grad_does(
+    compressor, set_to_none
+):
+    # A backward whose gradients are thrown away (a probe, a failed check) cleared with the
+    # model's zero_grad(): the next backward starts a new step, as after opt.zero_grad().
+    runs = {}
+    for clear in ("opt", "model"):
+        model = small_model()
+        opt = sparsecomm.CompressedOptimizer(sgd(model), compressor)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(5):
+            if step in (1, 3):  # (step 0's exchange runs in step(): nothing to clear)
+                model(torch.randn(8, 40, generator=gen)).pow(2).mean().backward()
+                if clear == "opt":
+                    opt.zero_grad(set_to_none=set_to_none)
+                else:
+                    model.zero_grad(set_to_none=set_to_none)
+            model(torch.randn(8, 40, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs[clear] = ([p.detach().clone() for p in model.parameters()], opt.total_stats)
+    for p, q in zip(runs["opt"][0], runs["model"][0]):
+        assert torch.equal(p, q)
+    assert runs["model"][1].skipped_steps == runs["opt"][1].skipped_steps == 2
+
+
+def test_a_second_backward_onto_the_averages_is_still_refused():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, opt, 1)
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        model(torch.randn(8, 40)).pow(2).mean().backward()
+
+
+def test_state_dict_hooks_registered_on_the_wrapper_run():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, opt, 2)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("save pre", o)))
+
+    def tag(o, state):
+        calls.append(("save post", o))
+        state["tagged"] = True
+        return state
+
+    opt.register_state_dict_post_hook(tag)
+
+    def untag(o, state):
+        calls.append(("load pre", o))
+        state = dict(state)
+        assert state.pop("tagged")
+        return state
+
+    opt.register_load_state_dict_pre_hook(untag)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o)))
+    state = opt.state_dict()
+    assert state["tagged"]
+    opt.load_state_dict(state)  # the pre hook's dict, without the tag, is what loads
+    assert calls == [("save pre", opt), ("save post", opt), ("load pre", opt), ("load post", opt)]
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_copying_the_wrapper_is_refused_naming_state_dict(how):
+    import copy
+    import pickle
+
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    thunk = {
+        "copy": lambda: copy.copy(opt),
+        "deepcopy": lambda: copy.deepcopy(opt),
+        "pickle": lambda: pickle.dumps(opt),
+    }[how]
+    with pytest.raises(TypeError, match=r"state_dict\(\)"):
+        thunk()
+
+
+def test_a_rank_of_several_without_a_process_group_is_refused(monkeypatch):
+    # torchrun set WORLD_SIZE, but init_process_group was forgotten (or comes later): each
+    # rank would train alone, apart from the others, without a word.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = small_model()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.05))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))  # one process: fine

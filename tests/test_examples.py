@@ -434,6 +434,7 @@ def test_select_adam_needs_an_adam_optimizer_and_gradients():
         ["--optimizer", "adamw", "--exchange", "updates", "--refresh-every", "5"],
         ["--optimizer", "shared-moment-adamw", "--exchange", "updates", "--refresh-every", "0"],
         ["--compressor", "threshold", "--topk-values", "bf16"],
+        ["--compressor", "dense", "--density-warmup", "10"],
     ],
 )
 def test_flags_that_would_do_nothing_are_refused(flags):

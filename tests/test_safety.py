@@ -88,6 +88,23 @@ def scenario(request, name: str, world_size: int) -> list:
             id="bucket_cap_mb-str-on-rank-1",
         ),
         pytest.param(
+            "learning_rate", 1, ("ValueError",), "different optimizers", id="lr-on-rank-1"
+        ),
+        pytest.param(
+            "optimizer_class",
+            0,
+            ("ValueError",),
+            "different optimizers",
+            id="Adam-on-rank-0-AdamW-on-rank-1",
+        ),
+        pytest.param(
+            "add_group_learning_rate",
+            1,
+            ("ValueError",),
+            "different optimizers",
+            id="add_param_group-lr-on-rank-1",
+        ),
+        pytest.param(
             "add_group_float64",
             0,
             ("TypeError", "ValueError"),
@@ -669,4 +686,28 @@ def test_a_wrapped_step_that_raised_on_one_rank_drops_the_update_everywhere(exch
     assert [e[:2] for e in errors0] == [(2, "StepDroppedError")]
     assert "their wrapped optimizer raised in its step" in errors0[0][2]
     assert [e[:2] for e in errors1] == [(2, "RuntimeError")]
+    assert_same_on_every_rank([params for params, _, _ in results], "parameters")
+
+
+@pytest.mark.parametrize("clear", ["opt.zero_grad", "model.zero_grad"])
+def test_a_step_skipped_on_some_ranks_only_raises_on_every_rank_after(clear):
+    """After a backward whose gradients were exchanged, rank 1 throws them away where rank
+    0 steps: their parameters differ from then on. The next step says so on every rank,
+    changing nothing, instead of training on apart."""
+    results = run_ranks(
+        sw.skip_on_some_ranks, 2, [1], clear, timeout=90, collective_timeout=SHORT_TIMEOUT_S
+    )
+    for _, _, errors in results:
+        assert [e[:2] for e in errors][:1] == [(3, "_RanksApartError")], errors
+        assert "different numbers of steps" in errors[0][2]
+        assert errors[0][3], "the refused step changed the residuals"
+
+
+@pytest.mark.parametrize("clear", ["opt.zero_grad", "model.zero_grad"])
+def test_a_step_skipped_on_every_rank_goes_on_in_step(clear):
+    results = run_ranks(
+        sw.skip_on_some_ranks, 2, [0, 1], clear, timeout=90, collective_timeout=SHORT_TIMEOUT_S
+    )
+    for _, steps, errors in results:
+        assert errors == [] and steps == 5
     assert_same_on_every_rank([params for params, _, _ in results], "parameters")
