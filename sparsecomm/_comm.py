@@ -49,8 +49,9 @@ class Communicator:
                     f"torch.distributed is not initialized, but WORLD_SIZE={launched} says "
                     "this process is one of several (torchrun sets it): each would train "
                     "alone, its parameters apart from the others'. Call "
-                    "torch.distributed.init_process_group(backend) on every rank first; to "
-                    "train on one process, leave WORLD_SIZE unset"
+                    "torch.distributed.init_process_group(backend) on every rank first. To "
+                    "train on this process alone (after destroy_process_group(), say), set "
+                    "os.environ['WORLD_SIZE'] = '1' before building it"
                 )
             self.world_size = 1
             self.rank = 0

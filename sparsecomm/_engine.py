@@ -459,6 +459,7 @@ class BucketEngine:
         #: CUDA graphs of the compression (None: never; see :class:`CompressGraphs`).
         self.graphs = CompressGraphs() if cuda_graphs else None
         self.member_of: dict[int, tuple[Bucket, int]] = {}
+        self.handed = 0  # parameters the last finish() gave an average in .grad
         for bucket in buckets:
             for member, param in enumerate(bucket.params):
                 self.member_of[id(param)] = (bucket, member)
@@ -855,6 +856,7 @@ class BucketEngine:
         written over the old residuals (the kernels read it), so that :meth:`revert` can
         still drop the step: the host queues the averages first and waits after."""
         skips = {} if skip is None else {skip.device: skip}
+        handed = 0
         for bucket in self.buckets:
             exchange = bucket.exchange
             compressor = self.compressor_of(bucket)
@@ -874,11 +876,13 @@ class BucketEngine:
                 if not used[position]:
                     param.grad = None
                     continue
+                handed += 1
                 view = bucket.grad_views[member]
                 param.grad = view if param.dtype == torch.float32 else view.to(param.dtype)
             if bucket.velocity is not None:
                 self._commit_velocity(bucket, exchange.message, used)
             bucket.reset()
+        self.handed = handed
         self.next_launch = 0
         self.fresh.clear()
 

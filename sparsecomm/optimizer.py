@@ -137,10 +137,11 @@ class StepDroppedError(RuntimeError):
 
 # A rank's status in a step's agreement: it dropped the step (drop_step()).
 _DROPPED = 1
-# A rank's position in a step's agreement: its step count (modulo this, so that float32
-# holds it exactly) times two, plus one if the wrapped optimizer raised on its previous
-# step's averages and they were never applied. The ranks' positions differ exactly when
-# their parameters do.
+# A rank's position in a step's agreement: the steps it applied (its step count less the
+# failed steps it left unapplied: the wrapped optimizer raised on their averages, which
+# were not retried), modulo this so that float32 holds it exactly, times two, plus one if
+# it left any unapplied. Ranks whose positions differ have parameters that differ, from
+# then on (until every rank loads a checkpoint).
 _POSITION_MODULUS = 1 << 22
 
 
@@ -150,17 +151,17 @@ class _RanksApartError(RuntimeError):
 
 def _ranks_apart_error(positions: list[int]) -> RuntimeError:
     """The error every rank raises when the ranks' positions (_POSITION_MODULUS) differ."""
-    steps = [position // 2 for position in positions]
-    if len(set(steps)) > 1:
+    ranks = [rank for rank, position in enumerate(positions) if position % 2]
+    if not 0 < len(ranks) < len(positions):
+        steps = [position // 2 for position in positions]
         return _RanksApartError(
-            f"the ranks have taken different numbers of steps (by rank, modulo "
+            f"the ranks have applied different numbers of steps (by rank, modulo "
             f"{_POSITION_MODULUS}: {steps}), so their parameters differ now: after a "
             "backward whose gradients were exchanged, some ranks called step() and others "
             "skipped it (zero_grad() without step()), or some ranks loaded a checkpoint "
             "alone. Restart every rank from the last checkpoint, and skip a step on every "
             "rank or on none"
         )
-    ranks = [rank for rank, position in enumerate(positions) if position % 2]
     return _RanksApartError(
         f"rank(s) {ranks} did not apply the previous step: the wrapped optimizer's step "
         "raised there and its averages were left (zero_grad(), a new backward, drop_step() "
@@ -387,7 +388,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # the other ranks at the next agreement.
         self._applying = False
         self._averages: list | None = None  # the .grad tensors it raised on
-        self._unapplied = False
+        self._unapplied_steps = 0  # failed steps of this rank's left unapplied (not retried)
         self._step_stats = StepStats()
         self._hooks: list = []
         self._register_hooks(self._params)
@@ -688,7 +689,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._applying
 
     def _forget_failed_step(self) -> None:
-        self._applying, self._averages, self._unapplied = False, None, True
+        self._applying, self._averages = False, None
+        self._unapplied_steps += 1
 
     def _adopt_scaler(self, grad_scaler) -> None:
         """Turn the overlap off for a ``GradScaler``; refuse (and skip) a step whose
@@ -724,6 +726,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "default exchange='gradients'"
             )
         self._before_exchange()
+        for param in self._params:
+            if param.grad is not None and not param.requires_grad:
+                param.grad = None  # frozen since wrapping: unused, as the gradient exchange has it
         params = [p for p in self._params if p.grad is not None]
         due = self._refresh_due()
         refusal = self._agree_gradients_finite(dropped=self._drop_pending, due=due)
@@ -896,7 +901,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``_used_anywhere`` for :meth:`_share_average_gradient`). Returns the step's refusal
         or None."""
         device = self._engine.device
-        flags = torch.zeros(2 * self.world_size, device=device)
+        flags = torch.zeros(2 * self.world_size, dtype=torch.float32, device=device)
         if due:
             flags[self.world_size + self.rank] = 1.0
         if due is not None:  # and which parameters have a gradient on some rank
@@ -1027,7 +1032,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "sparsecomm": {
                 "format": _STATE_FORMAT,
-                "optimizer_class": type(self.optimizer).__name__,
+                "optimizer_classes": _optimizer_classes(self.optimizer),
                 "world_size": self.world_size,
                 "rank": self.rank,
                 "compressor": self.compressor.config(),
@@ -1079,7 +1084,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
-        self._applying = self._unapplied = False  # (a failed step before the load is gone)
+        self._applying = False  # (a failed step before the load is gone)
+        self._unapplied_steps = 0
         self._averages = None
         self._load_residuals(ours["residuals"] if keep_residuals else [])
         fields = StepStats.__dataclass_fields__
@@ -1167,20 +1173,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{error}{hint}") from None
 
     def _cleared_since_exchange(self, param: torch.Tensor) -> bool:
-        """Whether the averages the exchange handed out are gone, cleared by something
+        """Whether the averages the exchange handed out are gone, set to None by something
         other than ``opt.zero_grad()`` (``model.zero_grad()``) before this new backward
-        reached ``param``: every other parameter's ``.grad`` is None or zero, and
-        ``param``'s is not the bucket view it was given (unless others had averages to
-        tell by). Then nothing of the averages is left for this backward to add to, and it
-        starts a new step. Runs only on this path, off the step's: it reads every gradient
-        (on CUDA, one host synchronisation)."""
-        others = [p.grad for p in self._params if p is not param and p.grad is not None]
-        if not others:
-            bucket, member = self._engine.member_of[id(param)]
-            given = bucket.grad_views[member] if bucket.grad_views else None
-            return param.dtype == torch.float32 and param.grad is not given
-        peaks = torch._foreach_norm(others, math.inf)
-        return not torch.stack([peak.float().cpu() for peak in peaks]).any().item()
+        reached ``param``: every other parameter's ``.grad`` is None though some had an
+        average (or, where ``param`` alone had one, ``param``'s is a new tensor). Then
+        nothing of the averages is left for this backward to add to, and it starts a new
+        step. Averages zeroed in place (``set_to_none=False``) cannot be told from averages
+        backward is adding to: those raise, naming ``opt.zero_grad()``."""
+        if any(p.grad is not None for p in self._params if p is not param):
+            return False
+        if self._engine.handed > 1:  # others had averages: they were cleared
+            return True
+        bucket, member = self._engine.member_of[id(param)]
+        given = bucket.grad_views[member] if bucket.grad_views else None
+        return param.dtype == torch.float32 and param.grad is not given
 
     def _nested_hint(self) -> str:
         """Why a gradient came too late, when the backward it belongs to began before the
@@ -1350,7 +1356,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if used_here == self._engine.held:  # every parameter with a bucket has a gradient
             flags = self._flags_template(device).clone()  # (no host copy)
         else:
-            flags = torch.zeros(1 + 3 * world_size + len(used_here), device=device)
+            flags = torch.zeros(
+                1 + 3 * world_size + len(used_here), dtype=torch.float32, device=device
+            )
             used = torch.tensor(used_here, dtype=torch.float32)
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
@@ -1358,9 +1366,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if dropped:
             flags[1 + world_size + self.rank] = float(_DROPPED)
         if world_size > 1:
-            steps = self._steps_taken % _POSITION_MODULUS
-            flags[1 + 2 * world_size + self.rank] = float(2 * steps + self._unapplied)
-        self._unapplied = False
+            applied = (self._steps_taken - self._unapplied_steps) % _POSITION_MODULUS
+            flags[1 + 2 * world_size + self.rank] = float(2 * applied + bool(self._unapplied_steps))
         if dropped:  # an infinite peak: refused on the device as a non-finite one would be
             flags[1 + self.rank] = math.inf
         elif peak is not None:
@@ -1393,7 +1400,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         one launch."""
         template = self._template
         if template is None or template[0] is not self._engine or template[1].device != device:
-            flags = torch.zeros(3 * self.world_size + 1, device=device)
+            flags = torch.zeros(3 * self.world_size + 1, dtype=torch.float32, device=device)
             used = torch.tensor(self._engine.held, dtype=torch.float32, device=device)
             template = self._template = (self._engine, torch.cat([flags, used]))
         return template[1]
@@ -1687,13 +1694,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         shapes = [list(p.shape) for p in self._params]
         if ours["shapes"] != shapes:
             raise refuse(_first_difference(ours["shapes"], shapes))
-        saved_class = ours.get("optimizer_class", type(self.optimizer).__name__)
-        if saved_class != type(self.optimizer).__name__:
+        mine = _optimizer_classes(self.optimizer)
+        saved = ours.get("optimizer_classes", mine)
+        if not set(saved) & set(mine):  # (a subclass loads its base class's state)
             raise refuse(
-                f"saved wrapping {saved_class}, this optimizer wraps "
-                f"{type(self.optimizer).__name__}, whose state the saved one is not. Wrap "
-                f"the {saved_class} it was saved with, or start this one afresh (load only "
-                "the model's state)"
+                f"saved wrapping {saved[0]}, this optimizer wraps {mine[0]}, whose state the "
+                f"saved one is not. Wrap the {saved[0]} it was saved with, or start this "
+                "one afresh (load only the model's state)"
             )
         if not keep_residuals:
             return ours
@@ -1810,6 +1817,16 @@ def _first_difference(first: list, other: list, start: int = 0, rank: int | None
                 f"on {who}"
             )
     return f"{base} has {start + len(first)} parameters but {who} has {start + len(other)}"
+
+
+def _optimizer_classes(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the wrapped optimizer's class and its bases below
+    ``torch.optim.Optimizer``: two optimizers sharing one share a state layout."""
+    return [
+        cls.__name__
+        for cls in type(optimizer).__mro__
+        if issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
+    ]
 
 
 def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:

@@ -654,6 +654,16 @@ def test_load_state_dict_errors_say_what_differs():
         with pytest.raises(ValueError, match="saved wrapping SGD, this optimizer wraps AdamW"):
             adamw.load_state_dict(state, keep_residuals=keep_residuals)
 
+    class LoggingSGD(torch.optim.SGD):
+        pass
+
+    # A subclass of the saved optimizer's class (or its base) has its state layout: loads.
+    sub = sparsecomm.CompressedOptimizer(
+        LoggingSGD(model.parameters(), lr=0.1, momentum=0.9), sparsecomm.TopK(0.05)
+    )
+    sub.load_state_dict(state)
+    opt.load_state_dict(sub.state_dict())
+
 
 def test_keep_residuals_false_moves_to_another_world_size_or_compressor():
     """The warm-up's clock, the statistics and the wrapped optimizer's state carry over;
@@ -787,6 +797,24 @@ def _plain_sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def test_a_parameter_frozen_with_its_grad_zeroed_in_place_is_unused_under_updates():
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters()), sparsecomm.TopK(0.05), exchange="updates"
+    )
+    for step in range(4):
+        if step == 2:
+            model[0].weight.requires_grad_(False)  # its .grad: zeros, not None
+            state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+            weight = model[0].weight.detach().clone()
+        model(torch.randn(8, 40)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert torch.equal(model[0].weight, weight)
+    for key, value in opt.state[model[0].weight].items():
+        assert torch.equal(value, state[key]), key  # AdamW did not step it
+
+
 @pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.05), sparsecomm.Threshold(1e-3)])
 def test_a_parameter_frozen_with_its_grad_zeroed_in_place_stays_put(compressor):
     # zero_grad(set_to_none=False) leaves a frozen parameter's .grad as a zeroed view of its
@@ -808,31 +836,40 @@ def test_a_parameter_frozen_with_its_grad_zeroed_in_place_stays_put(compressor):
 
 
 @pytest.mark.parametrize("compressor", [sparsecomm.TopK(0.05), sparsecomm.Cast(torch.bfloat16)])
-@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_zero_grad_between_backward_and_step_skips_the_step_as_opt_zero_grad_does(
-    compressor, set_to_none
+    compressor, dtype
 ):
     # A backward whose gradients are thrown away (a probe, a failed check) cleared with the
     # model's zero_grad(): the next backward starts a new step, as after opt.zero_grad().
     runs = {}
     for clear in ("opt", "model"):
-        model = small_model()
+        model = small_model().to(dtype)
         opt = sparsecomm.CompressedOptimizer(sgd(model), compressor)
         gen = torch.Generator().manual_seed(0)
         for step in range(5):
             if step in (1, 3):  # (step 0's exchange runs in step(): nothing to clear)
-                model(torch.randn(8, 40, generator=gen)).pow(2).mean().backward()
-                if clear == "opt":
-                    opt.zero_grad(set_to_none=set_to_none)
-                else:
-                    model.zero_grad(set_to_none=set_to_none)
-            model(torch.randn(8, 40, generator=gen)).pow(2).mean().backward()
+                model(torch.randn(8, 40, generator=gen, dtype=dtype)).pow(2).mean().backward()
+                (opt if clear == "opt" else model).zero_grad()
+            model(torch.randn(8, 40, generator=gen, dtype=dtype)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         runs[clear] = ([p.detach().clone() for p in model.parameters()], opt.total_stats)
     for p, q in zip(runs["opt"][0], runs["model"][0]):
         assert torch.equal(p, q)
     assert runs["model"][1].skipped_steps == runs["opt"][1].skipped_steps == 2
+
+
+def test_a_new_backward_onto_averages_zeroed_in_place_is_refused_naming_opt_zero_grad():
+    # model.zero_grad(set_to_none=False) zeroes the averages in place, which the next
+    # backward cannot tell from averages it would add to: refused, naming the way that works.
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, opt, 1)
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    model.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match=r"opt.zero_grad\(\)"):
+        model(torch.randn(8, 40)).pow(2).mean().backward()
 
 
 def test_a_second_backward_onto_the_averages_is_still_refused():
@@ -899,3 +936,25 @@ def test_a_rank_of_several_without_a_process_group_is_refused(monkeypatch):
         sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.05))
     monkeypatch.setenv("WORLD_SIZE", "1")
     sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))  # one process: fine
+
+
+def test_the_agreement_is_float32_whatever_the_default_dtype(monkeypatch):
+    # Its slots hold step counts up to 2**23: a float16 default would overflow them.
+    model = torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.Linear(50, 3))
+    unused = torch.nn.Parameter(torch.zeros(2000))  # (so not every step takes the template)
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD([*model.parameters(), unused], lr=0.1), sparsecomm.TopK(0.05)
+    )
+    dtypes = []
+    reduce = opt._comm.all_reduce_
+    monkeypatch.setattr(opt._comm, "all_reduce_", lambda t: (dtypes.append(t.dtype), reduce(t)))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        for _ in range(2):
+            model(torch.randn(8, 40, dtype=torch.float32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_default_dtype(default)
+    assert dtypes and set(dtypes) == {torch.float32}
