@@ -1084,9 +1084,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ours = self._check_state(state_dict, keep_residuals)
         self._check_schedule_state(ours, keep_residuals)
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks before it changes
-        self._applying = False  # (a failed step before the load is gone)
-        self._unapplied_steps = 0
-        self._averages = None
+        # (a failed step before the load is gone, applied or not)
+        self._applying, self._averages, self._unapplied_steps = False, None, 0
         self._load_residuals(ours["residuals"] if keep_residuals else [])
         fields = StepStats.__dataclass_fields__
         saved_stats = ours.get("total_stats", {})
@@ -1363,12 +1362,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
             flags[1 + 3 * world_size :] = used.to(device, non_blocking=True)
-        if dropped:
-            flags[1 + world_size + self.rank] = float(_DROPPED)
         if world_size > 1:
             applied = (self._steps_taken - self._unapplied_steps) % _POSITION_MODULUS
             flags[1 + 2 * world_size + self.rank] = float(2 * applied + bool(self._unapplied_steps))
         if dropped:  # an infinite peak: refused on the device as a non-finite one would be
+            flags[1 + world_size + self.rank] = float(_DROPPED)
             flags[1 + self.rank] = math.inf
         elif peak is not None:
             flags[1 + self.rank] = peak
@@ -1832,13 +1830,13 @@ def _optimizer_classes(optimizer: torch.optim.Optimizer) -> list[str]:
 def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
     """The wrapped optimizer's class and each parameter group's settings (numbers, flags,
     strings and tuples of them; not its parameters), as the ranks compare them."""
+    plain = (bool, int, float, str, type(None))
     groups = []
     for group in optimizer.param_groups:
         settings = {}
         for key, value in sorted(group.items()):
             if torch.is_tensor(value) and value.numel() == 1:  # (a tensor learning rate)
                 value = value.item()
-            plain = (bool, int, float, str, type(None))
             if isinstance(value, plain) or (
                 isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value)
             ):

@@ -793,10 +793,6 @@ def test_frozen_parameters_keep_the_step_on_its_fast_path():
 # ------------------------------------------------------------------ torch.optim habits
 
 
-def _plain_sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=0.1)
-
-
 def test_a_parameter_frozen_with_its_grad_zeroed_in_place_is_unused_under_updates():
     model = small_model()
     opt = sparsecomm.CompressedOptimizer(
@@ -820,7 +816,7 @@ def test_a_parameter_frozen_with_its_grad_zeroed_in_place_stays_put(compressor):
     # zero_grad(set_to_none=False) leaves a frozen parameter's .grad as a zeroed view of its
     # bucket: it must still count as unused, not send its residual and step on it.
     model = small_model()
-    opt = sparsecomm.CompressedOptimizer(_plain_sgd(model), compressor)
+    opt = sparsecomm.CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor)
     gen = torch.Generator().manual_seed(0)
     for step in range(6):
         if step == 3:
