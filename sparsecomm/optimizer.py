@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import gc
 import inspect
 import math
 import warnings
@@ -333,6 +334,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # ranks resumed from different steps would send differently). Not after a later
         # load, which some ranks alone may call: the check would then be theirs alone.
         self._steps_unchecked = True
+        # Whether DistributedDataParallel wraps the model: looked for before the first
+        # exchange, and again before each one while it is found (_check_not_in_ddp).
+        self._ddp_unchecked = True
         self._comm.timed = self.profile
         self._ready = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -1257,6 +1261,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _before_exchange(self) -> None:
         """What every rank checks before its part of an exchange starts."""
         self._check_frozen()
+        if self._ddp_unchecked:
+            self._check_not_in_ddp()
         if self._steps_unchecked:
             self._agree_on_steps()
 
@@ -1274,6 +1280,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "loaded one. Load on every rank the state_dict() that rank saved at the "
                 "same step"
             )
+
+    def _check_not_in_ddp(self) -> None:
+        """Raise, before anything is sent, if a ``DistributedDataParallel`` module holds one
+        of the parameters. Its all-reduce runs beside the exchange, and at the end of
+        backward it writes its own average over the one sparsecomm handed out (of zeros
+        wherever sparsecomm's hooks took the gradient from ``.grad`` before DDP's saw it),
+        while error feedback counts the values as sent. DDP builds the same way on every
+        rank, so every rank raises alike."""
+        ddp = _ddp_holding(self._params)
+        if ddp is None:
+            self._ddp_unchecked = False
+            return
+        raise RuntimeError(
+            "the model is wrapped in torch.nn.parallel.DistributedDataParallel, whose own "
+            "all-reduce would average the gradients beside sparsecomm's exchange and write "
+            "over the averages it hands out. Use one of the two: build CompressedOptimizer "
+            "on the unwrapped model's parameters (it replaces DDP: "
+            "`sparsecomm.CompressedOptimizer(torch.optim.AdamW(model.parameters()), ...)` "
+            "on the model itself), or keep DDP with a plain optimizer and compress inside "
+            "it: `state, hook = sparsecomm.ddp_comm_hook(compressor); "
+            "ddp_model.register_comm_hook(state, hook)`"
+        )
 
     def _check_frozen(self) -> None:
         """Raise, before anything is sent, if a parameter that did not require grad when
@@ -1844,6 +1872,22 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
         groups.append(settings)
     # (as text: a NaN setting equals itself there)
     return f"{type(optimizer).__name__} {groups}"
+
+
+def _ddp_holding(params: list[torch.Tensor]) -> torch.nn.Module | None:
+    """A ``DistributedDataParallel`` module holding any of ``params``, or None. DDP marks
+    nothing on the parameters it holds (its hooks are C++), so its modules are looked for
+    among the objects Python's garbage collector tracks, by their type alone (``isinstance``
+    would read attributes of every object): once per wrapper, about 75 ms per million
+    objects."""
+    ids = {id(param) for param in params}
+    module, ddp = torch.nn.Module, torch.nn.parallel.DistributedDataParallel
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if issubclass(kind, module) and issubclass(kind, ddp):
+            if any(id(p) in ids for p in obj.module.parameters()):
+                return obj
+    return None
 
 
 def _entry(param: torch.Tensor) -> list:

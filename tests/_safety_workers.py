@@ -12,6 +12,7 @@ leaves exactly ``g`` in ``p.grad`` and runs the optimizer's backward hooks like 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 import traceback
@@ -559,6 +560,43 @@ def no_cap(rank, world_size, group):
     return out
 
 
+def inside_ddp(rank, world_size, group):
+    """A model wrapped in DistributedDataParallel (before or after the wrapper is built, or
+    with sparsecomm's own DDP hook) raises at every step on every rank and changes nothing;
+    a DDP module over another model beside it does not count."""
+    DDP = torch.nn.parallel.DistributedDataParallel
+    beside = DDP(make_model(1), process_group=group)  # another model's: not this one's
+    out = {}
+    for case in ("ddp_first", "optimizer_first", "hook"):
+        model = make_model()
+        net = DDP(model, process_group=group) if case != "optimizer_first" else None
+        opt = sparsecomm.CompressedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), sparsecomm.TopK(0.1), process_group=group
+        )
+        if net is None:
+            net = DDP(model, process_group=group)
+        if case == "hook":
+            net.register_comm_hook(*sparsecomm.ddp_comm_hook(sparsecomm.TopK(0.1)))
+        before = flat(model.parameters())
+        outcomes = []
+        for step in range(2):  # (a step in overlap after the first)
+            thunk = functools.partial(train_step, net, opt, rank, step)
+            outcomes.append(attempt(thunk, Exception))
+            opt.zero_grad()
+        changed = not torch.equal(before, flat(model.parameters()))
+        out[case] = {"outcomes": outcomes, "changed": changed}
+    alone = make_model()
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.SGD(alone.parameters(), lr=0.05), sparsecomm.TopK(0.1), process_group=group
+    )
+    before = flat(alone.parameters())
+    for step in range(2):
+        train_step(alone, opt, rank, step)
+    out["beside"] = not torch.equal(before, flat(alone.parameters()))
+    del beside
+    return out
+
+
 UNUSED_CONFIGS = {
     # (compressor, bucket_cap_mb): one bucket for both weights, or one each.
     "topk-shared": (lambda: sparsecomm.TopK(0.05), 25),
@@ -675,6 +713,7 @@ SCENARIOS = {
     "no_cap": no_cap,
     "unused_residual": unused_residual,
     "elements_sent": elements_sent,
+    "inside_ddp": inside_ddp,
 }
 
 

@@ -713,3 +713,17 @@ def test_a_step_skipped_on_every_rank_goes_on_in_step(clear):
     for _, steps, errors in results:
         assert errors == [] and steps == 5
     assert_same_on_every_rank([params for params, _, _ in results], "parameters")
+
+
+def test_a_model_inside_ddp_raises_at_every_step_on_every_rank_and_changes_nothing(request):
+    """DDP's all-reduce would write its average over sparsecomm's (mostly zeros: the hooks
+    take each gradient first) while error feedback counts the values as sent."""
+    results = scenario(request, "inside_ddp", 2)
+    for rank, result in enumerate(results):
+        for case in ("ddp_first", "optimizer_first", "hook"):
+            for kind, message in result[case]["outcomes"]:
+                assert kind == "RuntimeError", (rank, case, kind, message)
+                assert "DistributedDataParallel" in message and "ddp_comm_hook" in message
+            assert not result[case]["changed"], (rank, case)
+        assert result["beside"], "a DDP module over another model stopped this one training"
+    assert results[0] == results[1]
