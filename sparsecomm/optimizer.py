@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import gc
 import inspect
+import itertools
 import math
 import warnings
 import weakref
@@ -394,8 +395,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._averages: list | None = None  # the .grad tensors it raised on
         self._unapplied_steps = 0  # failed steps of this rank's left unapplied (not retried)
         self._step_stats = StepStats()
+        # Marks the parameters' hooks and the wrapped optimizer as this wrapper's (a newer
+        # wrapper of the same ones takes them over): a plain int, so that the model and
+        # the wrapped optimizer still pickle (torch.save(model)).
+        self._token = next(_TOKENS)
+        self._stepping = False  # this wrapper is stepping the wrapped optimizer
         self._hooks: list = []
         self._register_hooks(self._params)
+        self._hooks.append(self._guard_wrapped_step())
         weakref.finalize(self, _remove_hooks, self._hooks)
         self._fresh_hooks: list = []
         self._watch_fresh_gradients()
@@ -674,7 +681,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         next ``step()`` calls it again on the same averages; a ``zero_grad()`` instead
         leaves them unapplied, which the next exchange's agreement tells every rank."""
         try:
-            self.optimizer.step()
+            self._step_wrapped()
         except BaseException:
             if not self._applying:  # (a retry that raised again keeps the first record)
                 self._applying, self._averages = True, [p.grad for p in self._params]
@@ -744,7 +751,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         shared_bytes = self._share_average_gradient() if due else 0
         before = self._copies_before_step(params)
         try:
-            self.optimizer.step()
+            self._step_wrapped()
         except BaseException:
             # The other ranks go on to exchange their updates: send this rank's part as a
             # dropped step, so that every rank refuses it, then raise here.
@@ -1133,8 +1140,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Backward hook: ``param.grad`` is complete for this backward pass."""
         if self._dropped_here:
             return  # (after drop_step(): the rest of the step's micro-batches count for nothing)
-        owner = getattr(param, "_sparsecomm_owner", None)
-        if owner is None or owner() is not self:
+        if getattr(param, "_sparsecomm_owner", None) != self._token:
             return  # a newer CompressedOptimizer wraps this parameter now
         if self._applying:  # a new backward, not a retry: the failed step's averages are gone
             self._forget_failed_step()
@@ -1513,8 +1519,42 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         for param in params:
             if param.requires_grad:
-                param._sparsecomm_owner = me
+                param._sparsecomm_owner = self._token
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _guard_wrapped_step(self):
+        """A step pre-hook on the wrapped optimizer: its ``step()`` called by anything but
+        the wrapper that wraps it now (``optimizer.step()`` where ``opt.step()`` was meant)
+        raises before it changes anything. It would step on this rank's own gradient (or
+        on averages the wrapper then counts as a skipped step), and the ranks' parameters
+        would come apart without a word."""
+        me, token = weakref.ref(self), self._token
+        self.optimizer._sparsecomm_wrapper = token
+
+        def guard(optimizer, args, kwargs) -> None:
+            opt = me()
+            if opt is None or opt._stepping:
+                return
+            if getattr(optimizer, "_sparsecomm_wrapper", None) != token:
+                return  # a newer CompressedOptimizer wraps it now: its guard decides
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called directly, but "
+                "sparsecomm.CompressedOptimizer wraps this optimizer: call the wrapper's "
+                "step() (`opt.step()`, with `opt = CompressedOptimizer(optimizer, ...)`), "
+                "which exchanges the gradients first. Stepped alone, each rank would apply "
+                "its own gradient and the ranks' parameters would come apart. Nothing was "
+                "changed"
+            )
+
+        return self.optimizer.register_step_pre_hook(guard)
+
+    def _step_wrapped(self) -> None:
+        """The wrapped optimizer's step, past :meth:`_guard_wrapped_step`'s guard."""
+        self._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._stepping = False
 
     def _watch_fresh_gradients(self) -> None:
         """A hook before autograd accumulates, on each parameter the engine would adopt
@@ -1872,6 +1912,9 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
         groups.append(settings)
     # (as text: a NaN setting equals itself there)
     return f"{type(optimizer).__name__} {groups}"
+
+
+_TOKENS = itertools.count(1)  # CompressedOptimizer._token: one per wrapper in this process
 
 
 def _ddp_holding(params: list[torch.Tensor]) -> torch.nn.Module | None:

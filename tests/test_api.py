@@ -954,3 +954,50 @@ def test_the_agreement_is_float32_whatever_the_default_dtype(monkeypatch):
     finally:
         torch.set_default_dtype(default)
     assert dtypes and set(dtypes) == {torch.float32}
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("overlap_step", [False, True], ids=["first step", "overlapping step"])
+def test_the_wrapped_optimizer_stepped_directly_raises_and_changes_nothing(overlap_step):
+    # `optimizer.step()` where `opt.step()` was meant: each rank would step on its own
+    # gradient (or on averages counted as a skipped step) and the ranks come apart.
+    model = small_model()
+    inner = sgd(model)
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.05))
+    if overlap_step:
+        train(model, opt, 2)  # from the second step on the exchange runs in backward
+    before = _flat(model)
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"opt\.step\(\)"):
+        inner.step()
+    assert torch.equal(_flat(model), before)
+    assert overlap_step or not inner.state  # (no momentum buffer made either)
+    opt.step()  # the wrapper steps it
+    opt.zero_grad()
+    assert not torch.equal(_flat(model), before)
+    # Wrapped again (as the README does after a change of requires_grad): the new wrapper
+    # steps it, and a direct call still raises.
+    state = opt.state_dict()
+    opt = sparsecomm.CompressedOptimizer(opt.optimizer, sparsecomm.TopK(0.05))
+    opt.load_state_dict(state)
+    train(model, opt, 2)
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"opt\.step\(\)"):
+        inner.step()
+
+
+def test_a_model_and_optimizer_under_the_wrapper_still_save_whole():
+    # torch.save(model) pickles each parameter's attributes: the wrapper's mark on them
+    # must pickle (a weakref did not: TypeError).
+    model = small_model()
+    opt = sparsecomm.CompressedOptimizer(sgd(model), sparsecomm.TopK(0.05))
+    train(model, opt, 2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    torch.save(opt.optimizer, io.BytesIO())
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(_flat(loaded), _flat(model))
