@@ -1951,6 +1951,18 @@ def _describe(entry) -> str:
     return f"shape {tuple(entry)}"
 
 
+def _sharded(param: torch.Tensor) -> str | None:
+    """What sharded ``param``, said for an error, or None: a ``DTensor`` (FSDP2's
+    ``fully_shard``, tensor parallelism), known by its class name (no import of
+    torch.distributed's modules), or ``FullyShardedDataParallel``'s flat parameter, a
+    plain ``Parameter`` that FSDP marks ``_is_flat_param``."""
+    if "DTensor" in {cls.__name__ for cls in type(param).__mro__}:
+        return "a DTensor (FSDP2's fully_shard, or tensor parallelism, made it)"
+    if getattr(param, "_is_flat_param", False):
+        return "a FullyShardedDataParallel flat parameter (FSDP shards it across the ranks)"
+    return None
+
+
 def _check_params(params: list, start: int) -> Exception | None:
     """The first parameter sparsecomm cannot exchange, as an error naming the fix."""
     seen: dict[int, int] = {}
@@ -1964,6 +1976,15 @@ def _check_params(params: list, start: int) -> Exception | None:
                 f"{where} is parameter {first} again: torch.optim only warns about a "
                 "parameter listed twice, but its gradient would be exchanged twice. List each "
                 "parameter once (e.g. list(dict.fromkeys(model.parameters())))"
+            )
+        sharded = _sharded(param)
+        if sharded is not None:
+            return TypeError(
+                f"{where} is {sharded}: each rank holds a piece of it, while sparsecomm "
+                "averages gradients of parameters every rank holds whole. It replaces data "
+                "parallelism and does not combine with sharding: wrap the optimizer of the "
+                "model itself (unwrapped, on every rank), or keep the sharded model with its "
+                "own optimizer"
             )
         if not param.is_floating_point() or param.dtype == torch.float64:
             return TypeError(

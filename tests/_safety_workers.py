@@ -597,6 +597,28 @@ def inside_ddp(rank, world_size, group):
     return out
 
 
+def sharded(rank, world_size, group):
+    """Parameters that FSDP (a flat parameter per rank) or FSDP2 (DTensors) shard: refused
+    when the wrapper is built, on every rank, by name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    out = {}
+    for kind in ("fsdp", "fsdp2"):
+        model = make_model()
+        if kind == "fsdp":
+            cpu = torch.device("cpu")
+            net = FullyShardedDataParallel(model, process_group=group, device_id=cpu)
+        else:
+            net = fully_shard(model)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.05)
+        out[kind] = attempt(
+            lambda sgd=sgd: sparsecomm.CompressedOptimizer(
+                sgd, sparsecomm.TopK(0.1), process_group=group
+            )
+        )
+    return out
+
+
 UNUSED_CONFIGS = {
     # (compressor, bucket_cap_mb): one bucket for both weights, or one each.
     "topk-shared": (lambda: sparsecomm.TopK(0.05), 25),
@@ -714,6 +736,7 @@ SCENARIOS = {
     "unused_residual": unused_residual,
     "elements_sent": elements_sent,
     "inside_ddp": inside_ddp,
+    "sharded": sharded,
 }
 
 

@@ -727,3 +727,11 @@ def test_a_model_inside_ddp_raises_at_every_step_on_every_rank_and_changes_nothi
             assert not result[case]["changed"], (rank, case)
         assert result["beside"], "a DDP module over another model stopped this one training"
     assert results[0] == results[1]
+
+
+def test_parameters_that_fsdp_shards_are_refused_by_name_on_every_rank(request):
+    results = scenario(request, "sharded", 2)
+    for result in results:
+        assert result["fsdp"][0] == "TypeError" and "FullyShardedDataParallel" in result["fsdp"][1]
+        assert result["fsdp2"][0] == "TypeError" and "DTensor" in result["fsdp2"][1]
+    assert results[0] == results[1]
