@@ -24,7 +24,9 @@ end in options, each after a ``/``: ``/stream`` (the engine's side CUDA stream),
 (``bucket_cap_mb``: the optimizer's, or in a ``ddp+sc-`` row DDP's; ``/capinf``: no cap),
 ``/updates`` and ``/local`` (``exchange="updates"`` and ``"local_updates"``), ``/shared``
 (``sparsecomm.SharedMomentAdamW`` with the workload's AdamW settings, in place of AdamW; at
-one rank it never refreshes its shared moment), e.g. ``TopK(0.01)/nographs/stream``,
+one rank it never refreshes its shared moment), ``/wait`` (with ``--adamw fused``: the fused
+AdamW steps after the host has read the step's verdict, as every other optimizer does,
+instead of ahead of it), e.g. ``TopK(0.01)/nographs/stream``,
 ``ddp+sc-TopK(0.01)/cap100`` or ``TopK(0.01)/local/shared``.
 
 Each row builds a fresh model from the same seed, runs ``--warmup`` steps and times
@@ -222,7 +224,9 @@ def gpt_workload(args, device) -> Workload:
 # ----------------------------------------------------------------------------- rows
 
 
-OPTIONS = ("stream", "noadopt", "nographs", "adam", "bf16", "updates", "local", "shared")
+OPTIONS = (
+    "stream", "noadopt", "nographs", "adam", "bf16", "updates", "local", "shared", "wait",
+)  # fmt: skip
 
 
 def split_options(name: str) -> tuple[str, set[str]]:
@@ -354,6 +358,8 @@ def build_row(name: str, workload: Workload, device) -> Built:
             exchange=exchange,
         )
         optimizer._engine.side_stream = "stream" in knobs
+        if "wait" in knobs:  # a fused AdamW steps after the verdict, as other optimizers do
+            optimizer._ahead = False
         if "noadopt" in knobs:
             for bucket in optimizer._engine.buckets:
                 bucket.adopts = False

@@ -4,6 +4,8 @@
 #
 #   GPU tests                 cap 200 s  tests/test_kernel_*.py, test_compressors.py, test_gpu.py
 #   GPT step table            cap 210 s  bench_step.py --model gpt (issue 11's rows and targets)
+#   GPT step, fused AdamW     cap 150 s  the same with AdamW(fused=True) in every row: the rows
+#                                        that step ahead of the verdict beside /wait ones
 #   1e9 linear rows           cap  90 s  bench_step.py --params 1e9: DDP, Cast(bf16), TopK(0.01)
 #   1e9 step profile          cap  90 s  profile_step.py: DDP and TopK(0.01) per operator
 #   step() overhead           cap  60 s  bench_overhead.py at n = 1e7 and 1e8
@@ -17,12 +19,13 @@
 # A part's timeout is its cap or the time left of SESSION_BUDGET_S (default 520 s), whichever
 # is less; a part with less left than it needs is skipped, a failing one is reported and the
 # next one runs. Outputs go to $OUT (default ./gpu-out): each part's full log, the tables as
-# markdown (bench_gpt.md, bench_step.md, bench_overhead.md, bench_kernels.md), and
+# markdown (bench_gpt.md, bench_gpt_fused.md, bench_step.md, bench_overhead.md, bench_kernels.md), and
 # session.txt with each part's status and time; the end of stdout repeats the tables.
 # SKIP="bench_kernels bench_topk quality_gpt" leaves out the parts writing those logs.
 # QUALITY_RECIPES="dense,topk-catchup-warmup" picks quality_gpt.py's recipes (default: all);
 # CHARLM_RUNS="dense topk-updates-warmup-0.01" compare.py's runs (default: below);
-# GPT_VARIANTS="DDP,TopK(0.01),TopK(0.01)/adam" the GPT step table's rows (default: its own).
+# GPT_VARIANTS="DDP,TopK(0.01),TopK(0.01)/adam" the GPT step table's rows (default: its own),
+# FUSED_VARIANTS those of the fused-AdamW table.
 # TOPK_BASELINE=path/to/topk.py also times that version of the top-k module beside this one.
 # SMOKE=1 runs every part at tiny sizes (on a CPU: a test of this script, not a measurement).
 #
@@ -34,7 +37,8 @@ export PYTHONUNBUFFERED=1
 SESSION_BUDGET_S=${SESSION_BUDGET_S:-520}
 SMOKE=${SMOKE:-0}
 START=$(date +%s)
-rm -f "$OUT/session.txt" "$OUT/bench_gpt.md" "$OUT/bench_step.md" "$OUT/bench_overhead.md"
+rm -f "$OUT/session.txt" "$OUT/bench_gpt.md" "$OUT/bench_gpt_fused.md" "$OUT/bench_step.md" \
+  "$OUT/bench_overhead.md"
 
 elapsed() { echo $(( $(date +%s) - START )); }
 stamp() { echo "$(date -u +%H:%M:%S) UTC, +$(elapsed) s"; }
@@ -84,6 +88,7 @@ if [[ $SMOKE == 1 ]]; then
   TESTS=(tests/test_gpu.py)
   GPT_ARGS=(--layers 2 --d-model 64 --heads 2 --vocab 256 --context 32 --batch 2
             --warmup 1 --steps 2 --interleave 2 --budget-s 60)
+  FUSED_ARGS=("${GPT_ARGS[@]}" --budget-s 30)
   LINEAR_ARGS=(--params 1e7 --variants "DDP,Cast(bf16),TopK(0.01)" --batch 2 --warmup 0
                --steps 1 --repeats 1 --budget-s 30)
   PROFILE_ARGS=()
@@ -102,6 +107,7 @@ else
   # row ~ 30 s of steps, plus builds, the kernel counts and the profile=True steps; no
   # round starts after 140 s.
   GPT_ARGS=(--warmup 10 --steps 10 --interleave 8 --budget-s 140)
+  FUSED_ARGS=(--warmup 10 --steps 10 --interleave 8 --budget-s 90 --no-shares)
   LINEAR_ARGS=(--params 1e9 --variants "none,DDP,Cast(bf16),TopK(0.01)" --warmup 5 --steps 5
                --interleave 6 --budget-s 55)
   OVERHEAD_ARGS=(--sizes 1e7,1e8)
@@ -138,6 +144,12 @@ run_part "GPU tests" 200 30 gpu_tests.txt 15 \
 run_part "GPT step table (one GPU)" 210 60 bench_gpt.log 3 \
   torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py --model gpt \
   "${GPT_ARGS[@]}" ${GPT_VARIANTS:+--variants "$GPT_VARIANTS"} --label "1 GPU" --out "$OUT/bench_gpt.md"
+
+run_part "GPT step table, fused AdamW: stepped ahead of the verdict and /wait" 150 60 \
+  bench_gpt_fused.log 3 \
+  torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py --model gpt --adamw fused \
+  "${FUSED_ARGS[@]}" --variants "${FUSED_VARIANTS:-DDP,DDP+fp16,Dense(),Dense()/wait,TopK(0.01),TopK(0.01)/wait,Cast(bf16),Cast(bf16)/wait}" \
+  --label "1 GPU" --out "$OUT/bench_gpt_fused.md"
 
 run_part "1e9-parameter linear rows (one GPU)" 90 30 bench_step.log 3 \
   torchrun --standalone --nproc_per_node=1 benchmarks/bench_step.py \
@@ -185,7 +197,7 @@ fi
 echo
 echo "== summary [$(stamp)]"
 cat "$OUT/session.txt"
-for table in bench_gpt.md bench_step.md bench_overhead.md; do
+for table in bench_gpt.md bench_gpt_fused.md bench_step.md bench_overhead.md; do
   [[ -f $OUT/$table ]] && { echo; echo "### $OUT/$table"; cat "$OUT/$table"; }
 done
 echo

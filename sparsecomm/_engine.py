@@ -846,7 +846,9 @@ class BucketEngine:
         device = peaks[0].device
         return torch.stack([p.to(device) for p in peaks]).max()  # max propagates NaN
 
-    def finish(self, used: list[bool], skip: torch.Tensor | None = None) -> None:
+    def finish(
+        self, used: list[bool], skip: torch.Tensor | None = None, keep: bool = False
+    ) -> None:
         """Wait for every bucket, average, commit the new residuals, and hand each used
         parameter its average in ``.grad`` (parameters no rank used keep ``grad = None``
         and their residual).
@@ -854,7 +856,13 @@ class BucketEngine:
         ``skip``: a one-element bool tensor on the buckets' device, the step's refusal as
         the device knows it before the host does. Where it holds True the averages are not
         written over the old residuals (the kernels read it), so that :meth:`revert` can
-        still drop the step: the host queues the averages first and waits after."""
+        still drop the step: the host queues the averages first and waits after.
+
+        ``keep`` (with ``skip``): where ``skip`` holds True, also copy each old residual
+        over the new one, on the device, so that the residuals are the old ones already
+        and :meth:`drop` (not :meth:`revert`) drops the step. Then nothing written
+        through ``.grad`` before the host learns the verdict (clipping, say) can reach a
+        residual: ``.grad`` views a buffer that is a copy."""
         skips = {} if skip is None else {skip.device: skip}
         handed = 0
         for bucket in self.buckets:
@@ -871,6 +879,8 @@ class BucketEngine:
                         span = bucket.span(member)
                         new_residual[span] = bucket.residual[span]
                 compressor.finish(exchange, bucket.residual, skips.get(bucket.device))
+                if keep:  # (after finish: it waits for the side stream writing new_residual)
+                    _ops.copy_if(skips[bucket.device], bucket.residual, new_residual)
                 bucket.swap()  # the average is in the old residual's buffer
             for member, (position, param) in enumerate(zip(bucket.positions, bucket.params)):
                 if not used[position]:
@@ -937,6 +947,14 @@ class BucketEngine:
                 bucket.swap()
             if bucket.velocity is not None:
                 bucket.velocity, bucket.next_velocity = bucket.next_velocity, bucket.velocity
+            for param in bucket.params:
+                param.grad = None
+        self.fresh.clear()
+
+    def drop(self) -> None:
+        """Drop a step that :meth:`finish` finished with ``skip`` holding True and
+        ``keep``: the residuals hold the old ones already; the members' ``.grad`` is None."""
+        for bucket in self.buckets:
             for param in bucket.params:
                 param.grad = None
         self.fresh.clear()

@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from .triton_kernels import cast as _cast
+from .triton_kernels import copy_if as _copy_if
 from .triton_kernels import scatter_add as _scatter_add
 from .triton_kernels import threshold as _threshold
 from .triton_kernels import topk as _topk
@@ -142,3 +143,21 @@ def scatter_add(indices, values, counts, numel, scale, out=None, skip=None):
         _scatter_add.scatter_add_ref,
     )
     return impl(indices, values, counts, numel, scale, out=out, skip=skip)
+
+
+_COPY_IF = KernelSwitch("CompressedOptimizer's copy_if")
+
+
+def copy_if(flag, src, dst) -> None:
+    """``dst.copy_(src)`` where the one-element bool ``flag`` holds True, decided on the
+    device (no host synchronisation on CUDA). Should the kernel fail, the reference (a
+    select over every element) does it from then on."""
+    impl = _pick(dst, _copy_if.copy_if, _copy_if.copy_if_cpu, _copy_if.copy_if_ref)
+    if impl is _copy_if.copy_if:
+        if not _COPY_IF.failed:
+            try:
+                return impl(flag, src, dst)
+            except Exception as error:  # (it did not compile here: checked before a launch)
+                _COPY_IF.fail(error)
+        impl = _copy_if.copy_if_ref
+    impl(flag, src, dst)

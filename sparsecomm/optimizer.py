@@ -14,6 +14,7 @@ import itertools
 import math
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +144,9 @@ _DROPPED = 1
 # failed steps it left unapplied: the wrapped optimizer raised on their averages, which
 # were not retried), modulo this so that float32 holds it exactly, times two, plus one if
 # it left any unapplied. Ranks whose positions differ have parameters that differ, from
-# then on (until every rank loads a checkpoint).
+# then on (until every rank loads a checkpoint). The agreement adds to it a fingerprint of
+# the wrapped optimizer's settings, below this too (the sum stays below 2**24, which
+# float32 holds exactly), so that settings that differ are found the same way.
 _POSITION_MODULUS = 1 << 22
 
 
@@ -172,6 +175,38 @@ def _ranks_apart_error(positions: list[int]) -> RuntimeError:
         "the wrapped optimizer's step raises, calling opt.step() again applies the same "
         "averaged gradients; if it raised on every rank, zero_grad() skips it everywhere.)"
     )
+
+
+def _settings_apart_error(by_rank: list[list[dict]]) -> RuntimeError:
+    """The error every rank raises when the wrapped optimizers' settings (a learning rate,
+    say) differ between the ranks in a step's agreement."""
+    where = "they agree again now, but differed when this step's agreement ran"
+    for rank, theirs in enumerate(by_rank[1:], start=1):
+        if theirs != by_rank[0]:
+            where = _first_setting_difference(by_rank[0], theirs, rank)
+            break
+    return _RanksApartError(
+        f"the wrapped optimizers' settings differ between the ranks ({where}), so the same "
+        "averaged gradient would move their parameters apart. The step was refused on every "
+        "rank and nothing changed; each step raises this until the settings agree. A "
+        "learning-rate scheduler stepped on some ranks only does this, and so does one "
+        "driven by a value each rank computes itself (ReduceLROnPlateau on each rank's own "
+        "validation loss): step schedulers on every rank alike, on a value averaged over "
+        "the ranks (torch.distributed.all_reduce) first"
+    )
+
+
+def _first_setting_difference(first: list[dict], other: list[dict], rank: int) -> str:
+    if len(first) != len(other):
+        return f"rank 0 has {len(first)} parameter groups, rank {rank} has {len(other)}"
+    for index, (mine, theirs) in enumerate(zip(first, other)):
+        for key in sorted(set(mine) | set(theirs)):
+            if repr(mine.get(key)) != repr(theirs.get(key)):
+                return (
+                    f"parameter group {index}: {key}={mine.get(key)!r} on rank 0, "
+                    f"{theirs.get(key)!r} on rank {rank}"
+                )
+    return f"rank {rank} differs from rank 0"
 
 
 def _hook_result(result: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -395,6 +430,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._averages: list | None = None  # the .grad tensors it raised on
         self._unapplied_steps = 0  # failed steps of this rank's left unapplied (not retried)
         self._step_stats = StepStats()
+        # A fused torch Adam/AdamW steps before the host reads the step's verdict
+        # (_step_ahead): the end of backward leaves it pending here, (agreement, stats).
+        self._ahead = _steps_ahead_possible(optimizer)
+        self._pending: tuple[_Agreement, StepStats] | None = None
         # Marks the parameters' hooks and the wrapped optimizer as this wrapper's (a newer
         # wrapper of the same ones takes them over): a plain int, so that the model and
         # the wrapped optimizer still pickle (torch.save(model)).
@@ -433,6 +472,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._piece_of(param, "velocity")
 
     def _piece_of(self, param: torch.Tensor, buffer: str) -> torch.Tensor:
+        self._settle()
         entry = self._engine.member_of.get(id(param))
         if entry is None:
             raise ValueError(
@@ -502,6 +542,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             RuntimeError: this rank's backward finished and its gradients were exchanged
                 (call ``step()``, or ``zero_grad()`` on every rank to skip the step).
         """
+        self._settle()
         if self._dropped_here or (self._drop_pending and not self._sync_enabled):
             return  # dropped already: its part is sent (or will be, at the exchange)
         if self._applying:  # a new step: the averages the wrapped optimizer raised on are gone
@@ -560,6 +601,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Collective: every rank must call it. Without a scaler it raises
         :class:`NonFiniteGradientError` as ``step()`` does (the step is then dropped on
         every rank)."""
+        self._settle()
         if self._retrying():
             return  # done already: the wrapped optimizer raised on these averages, step() retries
         if self._steps_first:
@@ -601,6 +643,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             RuntimeError: this rank's backward raised part-way and its step was not
                 dropped: the other ranks wait for this rank's part of the exchange, which
                 :meth:`drop_step` sends."""
+        self._settle()
         if self._drop_pending and self._sync_enabled:
             # drop_step() inside no_sync(), and no exchange since: the other ranks' exchange
             # at the end of their accumulation still waits for this rank's part.
@@ -644,6 +687,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 error = _check_group_momentum(group, self.optimizer)
                 if error is not None:
                     raise error
+        if self._pending is not None:
+            if grad_scaler is None:
+                return self._step_ahead(loss)
+            self._settle()
         if self._retrying():  # the wrapped optimizer raised on these averages: again
             self._apply()
             return loss
@@ -673,6 +720,36 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # step raises (its next step() retries it).
         self._finish_step(skipped=False)
         self._apply()
+        self._overlapping = self.overlap and not self._scaler_seen
+        return loss
+
+    def _step_ahead(self, loss):
+        """``step()`` of a step left pending at the end of backward: the wrapped fused
+        Adam steps first, handed the device's refusal as ``found_inf`` (so that a refused
+        step changes nothing there), and only then does the host wait for the verdict.
+        The device runs the averages and the step while the host waits, instead of idling
+        between the verdict and the step's launch (docs/step_ahead.md)."""
+        optimizer = self.optimizer
+        agreement = self._pending[0]
+        optimizer.grad_scale = None
+        optimizer.found_inf = agreement.refused.to(torch.float32).view(())
+        try:
+            self._step_wrapped()
+        except BaseException:
+            self._settle()
+            if self._refusal is None:  # as _apply records it: the next step() retries
+                self._finish_step(skipped=False)
+                self._applying, self._averages = True, [p.grad for p in self._params]
+            else:  # refused anyway, and skipped on the device
+                self._finish_step(skipped=True)
+            raise
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        self._settle()
+        refusal = self._refusal
+        self._finish_step(skipped=refusal is not None)
+        if refusal is not None:
+            raise refusal
         self._overlapping = self.overlap and not self._scaler_seen
         return loss
 
@@ -964,6 +1041,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._ready:  # called by torch.optim.Optimizer.__init__ for existing groups
             super().add_param_group(param_group)
             return
+        self._settle()
         start = len(self._params)
         # A parameter unfrozen since wrapping has no hook: wrap again instead.
         error = self._unfrozen_error()
@@ -1114,6 +1192,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _exchanged_not_stepped(self) -> bool:
         """Whether this step's exchange is done (and not refused or dropped) and the
         wrapped optimizer has not stepped yet."""
+        self._settle()
         waiting = self._synchronized and self._refusal is None and not self._dropped_here
         return waiting or self._retrying()
 
@@ -1218,13 +1297,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         with torch.no_grad():
-            self._synchronize(grad_scaler=None)
+            self._synchronize(grad_scaler=None, defer=self._ahead)
 
-    def _synchronize(self, grad_scaler, dropped: bool = False) -> None:
+    def _synchronize(self, grad_scaler, dropped: bool = False, defer: bool = False) -> None:
         """Launch what has not been launched, agree across ranks on non-finite values, on
         dropped steps and on which parameters had gradients (one small all-reduce, one host
         sync), then finish (or drop) the exchange. ``dropped``: this rank drops the step
-        (:meth:`drop_step`)."""
+        (:meth:`drop_step`). ``defer``: leave the host sync to :meth:`_settle` where
+        :meth:`_step_ahead` may step first."""
         if self._synchronized:
             return
         self._before_exchange()
@@ -1240,15 +1320,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # refusal, which the device has already. Queue them now, so that the device has work
         # while the host waits for the verdict and launches the optimizer after it.
         early = used_here == engine.held  # (a frozen parameter has no bucket to finish)
+        ahead = defer and early and any(used_here) and self._may_step_ahead()
         if early:
-            stats.aggregate_seconds = self._finish(used_here, agreement.refused)
+            stats.aggregate_seconds = self._finish(used_here, agreement.refused, keep=ahead)
+        if ahead:
+            self._pending = (agreement, stats)
+            self._synchronized = True
+            return
+        self._conclude(agreement, stats, found_inf, early)
+
+    def _conclude(
+        self, agreement: _Agreement, stats: StepStats, found_inf: list[torch.Tensor],
+        early: bool, kept: bool = False,
+    ) -> None:  # fmt: skip
+        """:meth:`_synchronize`'s end: wait for the verdict, then drop or finish the
+        step. ``early``: the averages are queued already; ``kept``: with the old residuals
+        copied where the step was refused (``BucketEngine.finish(keep=True)``)."""
+        engine = self._engine
         refusal, used = self._agree_on_step(agreement)
         self._no_gradient_anywhere = not any(used)  # no rank had a gradient: not a step taken
         refused = refusal is not None
         for flag in found_inf:
             flag.fill_(1.0 if refused else 0.0)
         if refused:
-            engine.revert() if early else engine.abandon()
+            if kept:
+                engine.drop()
+            elif early:
+                engine.revert()
+            else:
+                engine.abandon()
         elif not early:
             stats.aggregate_seconds = self._finish(used, None)
         stats.compress_seconds = engine.compress_seconds
@@ -1256,6 +1356,30 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._refusal = refusal
         self._step_stats = stats
         self._synchronized = True
+
+    def _settle(self) -> None:
+        """Wait for the verdict of a step left pending at the end of backward (the host
+        sync :meth:`_step_ahead` put off): afterwards the step is as :meth:`_synchronize`
+        leaves it. Everything that reads or changes the step's state calls it first."""
+        if self._pending is not None:
+            (agreement, stats), self._pending = self._pending, None
+            self._conclude(agreement, stats, [], early=True, kept=True)
+
+    def _may_step_ahead(self) -> bool:
+        """Whether the wrapped optimizer can take this step before the host knows the
+        verdict: a torch Adam or AdamW with ``fused=True`` in every group skips a step on
+        the device when handed the refusal as ``found_inf`` (as under ``GradScaler``),
+        its state and step count included. Not when profiling (which times each phase) or
+        with a velocity to restore."""
+        optimizer = self.optimizer
+        return (
+            self._ahead
+            and not self.profile
+            and self.momentum_correction is None
+            and all(group.get("fused") for group in optimizer.param_groups)
+            and getattr(optimizer, "found_inf", None) is None
+            and _steps_ahead_possible(optimizer)
+        )
 
     def _refused_stats(self) -> StepStats:
         """A step of ``exchange="updates"`` refused before anything was sent: counted, at
@@ -1362,13 +1486,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 stats.elements_sent += exchange.message.known_count()
         return stats
 
-    def _finish(self, used: list[bool], skip: torch.Tensor | None) -> float:
+    def _finish(self, used: list[bool], skip: torch.Tensor | None, keep: bool = False) -> float:
         """``BucketEngine.finish``; returns the seconds it took beyond waiting for the
         collectives (measured only when profiling)."""
         engine = self._engine
         device = engine.device
         started, comm_before = self._comm.clock(device), self._comm.seconds
-        engine.finish(used, skip)
+        engine.finish(used, skip, keep)
         finished = self._comm.clock(device)
         return finished - started - (self._comm.seconds - comm_before)
 
@@ -1396,9 +1520,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if device.type == "cuda":
                 used = used.pin_memory()  # so the copy does not wait for the device
             flags[1 + 3 * world_size :] = used.to(device, non_blocking=True)
-        if world_size > 1:
-            applied = (self._steps_taken - self._unapplied_steps) % _POSITION_MODULUS
-            flags[1 + 2 * world_size + self.rank] = float(2 * applied + bool(self._unapplied_steps))
+        if world_size > 1:  # (below 2**24: float32 holds it exactly)
+            position = self._position() + _settings_fingerprint(self.optimizer)
+            flags[1 + 2 * world_size + self.rank] = float(position)
         if dropped:  # an infinite peak: refused on the device as a non-finite one would be
             flags[1 + world_size + self.rank] = float(_DROPPED)
             flags[1 + self.rank] = math.inf
@@ -1450,7 +1574,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         status = [int(f) for f in values[1 + world_size : 1 + 2 * world_size]]
         positions = [int(f) for f in values[1 + 2 * world_size : 1 + 3 * world_size]]
         if len(set(positions)) > 1:
-            return _ranks_apart_error(positions), used
+            return self._apart_error(), used
         if values[0] <= _peak_bound(world_size, self._engine.narrow):
             return None, used
         dropped = [r for r in range(world_size) if status[r] & _DROPPED]
@@ -1462,6 +1586,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         too_large = [r for r in range(world_size) if peaks[r] > 1 / world_size]
         ranks = too_large or [max(range(world_size), key=peaks.__getitem__)]
         return NonFiniteGradientError(ranks, too_large=True), used
+
+    def _position(self) -> int:
+        """This rank's position in the step's agreement (:data:`_POSITION_MODULUS`)."""
+        applied = (self._steps_taken - self._unapplied_steps) % _POSITION_MODULUS
+        return 2 * applied + bool(self._unapplied_steps)
+
+    def _apart_error(self) -> RuntimeError:
+        """The error of a step whose agreement found the ranks apart: their positions plus
+        their settings' fingerprints differed. Every rank found it in the same sum, so every
+        rank runs this one collective (rare: it names what differs) and raises alike."""
+        everyone = self._comm.all_gather_object((self._position(), _group_settings(self.optimizer)))
+        positions = [position for position, _ in everyone]
+        if len(set(positions)) > 1:
+            return _ranks_apart_error(positions)
+        return _settings_apart_error([settings for _, settings in everyone])
 
     def _scaler_skips(self, grad_scaler) -> None:
         """Tell ``grad_scaler`` that this step was refused, as the other ranks' scalers
@@ -1517,9 +1656,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if opt is not None:
                 opt._on_gradient(param)
 
+        def settle(grad: torch.Tensor) -> None:
+            opt = me()
+            if opt is not None and opt._pending is not None:
+                opt._settle()  # before autograd adds to a .grad that may be dropped
+
         for param in params:
             if param.requires_grad:
                 param._sparsecomm_owner = self._token
+                if self._ahead:
+                    self._hooks.append(param.register_hook(settle))
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _guard_wrapped_step(self):
@@ -1914,6 +2060,34 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__} {groups}"
 
 
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's value of every setting the wrapped optimizer has a default
+    for (its hyperparameters: lr, betas, weight_decay, ...), as every rank must share them.
+    A tensor setting is read where that costs no host sync (on the CPU); a CUDA one is
+    left out."""
+    keys = sorted(optimizer.defaults)
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {}
+        for key in keys:
+            value = group.get(key)
+            if torch.is_tensor(value):
+                if value.is_cuda or value.numel() != 1:
+                    continue
+                value = value.item()
+            settings[key] = value
+        groups.append(settings)
+    return groups
+
+
+def _settings_fingerprint(optimizer: torch.optim.Optimizer) -> int:
+    """:func:`_group_settings` as an int below ``2**22``, added to the position each rank
+    puts into a step's agreement: ranks whose settings differ are found apart there (a
+    learning rate changed on some ranks only), at no extra collective. ``repr`` of a float
+    is exact, and crc32 is the same in every process (``hash`` of a str is not)."""
+    return zlib.crc32(repr(_group_settings(optimizer)).encode()) % _POSITION_MODULUS
+
+
 _TOKENS = itertools.count(1)  # CompressedOptimizer._token: one per wrapper in this process
 
 
@@ -2270,3 +2444,12 @@ def _foreach_sub_(targets: list[torch.Tensor], amounts: list[torch.Tensor]) -> N
         return
     for target, amount in zip(targets, amounts):
         target.sub_(amount)
+
+
+def _steps_ahead_possible(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is torch's own Adam/AdamW step (through any
+    ``functools.wraps`` wrapper, a learning-rate scheduler's say), which skips on the device
+    when ``found_inf`` is set and the group is fused (``_may_step_ahead``)."""
+    step = optimizer.step
+    step = inspect.unwrap(getattr(step, "__func__", step))
+    return any(step is inspect.unwrap(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW))

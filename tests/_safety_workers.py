@@ -619,6 +619,95 @@ def sharded(rank, world_size, group):
     return out
 
 
+def _step_ahead_run(rank, world_size, group, ahead: bool, device="cpu", compressor=None):
+    """The steps of :func:`step_ahead` under one wrapper: fused AdamW stepped ahead of the
+    verdict (``ahead``) or after it, as any other optimizer is."""
+    bad_rank = world_size - 1
+    model = make_model().to(device)
+    params = list(model.parameters())
+    opt = sparsecomm.CompressedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True),
+        compressor or sparsecomm.TopK(0.1), min_compress_numel=0, process_group=group,
+    )  # fmt: skip
+    if not ahead:
+        opt._ahead = False
+    pending, outcomes = [], []
+
+    def backward(step: int, nan: bool = False) -> None:
+        x, y = (t.to(device) for t in batch(rank, step))
+        if nan and rank == bad_rank:
+            x[0, 0] = math.nan
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        pending.append(opt._pending is not None)
+
+    def step(clip: bool = False) -> None:
+        if clip:  # through .grad, between backward and step
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        outcomes.append(attempt(opt.step, Exception))
+
+    for plan in ("plain", "plain", "clip", "nan+clip", "plain", "nan", "nan+again", "nan"):
+        index = len(outcomes)
+        backward(index, nan="nan" in plan)
+        if plan == "nan+again":  # a backward more, no step(): the refused step is skipped
+            backward(index + 100)
+        if plan == "nan" and index == 7:  # zero_grad() instead of step(): skipped
+            outcomes.append(("zero_grad", None))
+        else:
+            step(clip="clip" in plan)
+        opt.zero_grad()
+    state = state_of(opt, params)
+    return {"outcomes": outcomes, "pending": pending, "state": state, "params": flat(params).cpu()}
+
+
+def step_ahead(rank, world_size, group):
+    """A fused AdamW steps before the host reads the step's verdict (the device skips a
+    refused step): the same bits, errors and state as when it steps after, through refused
+    steps, clipping between backward and step (a refused step's too), and a backward after a
+    refused one without step()."""
+    return {
+        "ahead": _step_ahead_run(rank, world_size, group, ahead=True),
+        "after": _step_ahead_run(rank, world_size, group, ahead=False),
+    }
+
+
+def settings_apart(rank, world_size, group):
+    """The learning rate halved on the last rank only (a scheduler stepped there alone):
+    every step raises on every rank, naming the setting, and changes nothing, until the
+    ranks agree again; then training goes on, the ranks identical."""
+    out = {}
+    for name in ("sgd", "fused-adamw"):
+        model = make_model()
+        params = list(model.parameters())
+        if name == "sgd":
+            inner = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        else:
+            inner = torch.optim.AdamW(params, lr=0.01, fused=True)
+        opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.1), process_group=group)
+        for step in range(2):
+            train_step(model, opt, rank, step)
+        odd = rank == world_size - 1
+        if odd:
+            opt.param_groups[0]["lr"] *= 0.5
+        before = state_of(opt, params, stats=False)
+        outcomes = []
+        for step in (2, 3):
+            thunk = functools.partial(train_step, model, opt, rank, step)
+            outcomes.append(attempt(thunk, Exception))
+            opt.zero_grad()
+        unchanged = state_of(opt, params, stats=False) == before
+        if odd:
+            opt.param_groups[0]["lr"] *= 2.0
+        stopped = flat(params)
+        train_step(model, opt, rank, 4)
+        out[name] = {
+            "outcomes": outcomes,
+            "unchanged": unchanged,
+            "trained_again": not torch.equal(stopped, flat(params)),
+            "params": flat(params),
+        }
+    return out
+
+
 UNUSED_CONFIGS = {
     # (compressor, bucket_cap_mb): one bucket for both weights, or one each.
     "topk-shared": (lambda: sparsecomm.TopK(0.05), 25),
@@ -737,6 +826,8 @@ SCENARIOS = {
     "elements_sent": elements_sent,
     "inside_ddp": inside_ddp,
     "sharded": sharded,
+    "step_ahead": step_ahead,
+    "settings_apart": settings_apart,
 }
 
 

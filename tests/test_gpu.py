@@ -525,3 +525,22 @@ def test_cuda_updates_refuse_a_nonfinite_gradient_anywhere_in_a_large_tensor(bad
     with pytest.raises(sparsecomm.NonFiniteGradientError):
         opt.step()
     assert torch.count_nonzero(param.detach()) == 0
+
+
+@pytest.mark.parametrize(
+    "compressor", [sparsecomm.TopK(0.1), sparsecomm.Dense(), sparsecomm.Cast(torch.bfloat16)],
+    ids=repr,
+)  # fmt: skip
+def test_cuda_fused_adamw_stepped_ahead_of_the_verdict_matches_one_stepped_after(compressor):
+    """On CUDA the host waits for the verdict only after it has queued the fused step (the
+    copy that keeps a refused step's residual is decided on the device): the same bits."""
+    import _safety_workers
+    from test_safety import check_step_ahead
+
+    runs = {
+        ahead: _safety_workers._step_ahead_run(
+            0, 1, None, ahead=ahead, device="cuda", compressor=copy.deepcopy(compressor)
+        )
+        for ahead in (True, False)
+    }
+    check_step_ahead(runs[True], runs[False])

@@ -735,3 +735,42 @@ def test_parameters_that_fsdp_shards_are_refused_by_name_on_every_rank(request):
         assert result["fsdp"][0] == "TypeError" and "FullyShardedDataParallel" in result["fsdp"][1]
         assert result["fsdp2"][0] == "TypeError" and "DTensor" in result["fsdp2"][1]
     assert results[0] == results[1]
+
+
+def test_a_fused_adamw_stepped_ahead_of_the_verdict_matches_one_stepped_after(request, world_size):
+    """The step-ahead path (the host waits for the verdict after queuing the fused step)
+    gives the same bits, errors and checkpoint as the waiting path, refused steps and all."""
+    results = scenario(request, "step_ahead", world_size)
+    for rank, result in enumerate(results):
+        check_step_ahead(result["ahead"], result["after"], rank)
+    assert_same_on_every_rank([r["ahead"]["params"] for r in results], "parameters")
+
+
+def check_step_ahead(ahead: dict, after: dict, rank: int = 0) -> None:
+    """``_safety_workers.step_ahead``'s two runs agree, and the first did step ahead."""
+    # Every backward after the first step left its verdict pending.
+    assert not ahead["pending"][0] and all(ahead["pending"][1:]), (rank, ahead["pending"])
+    assert not any(after["pending"]), (rank, after["pending"])
+    kinds = [kind for kind, _ in ahead["outcomes"]]
+    assert kinds == ["ok", "ok", "ok", "NonFiniteGradientError", "ok",
+                     "NonFiniteGradientError", "ok", "zero_grad"], (rank, kinds)  # fmt: skip
+    assert ahead["outcomes"] == after["outcomes"], rank
+    assert ahead["state"] == after["state"], f"rank {rank}: state differs"
+    assert torch.equal(bits(ahead["params"]), bits(after["params"])), rank
+
+
+def test_a_learning_rate_changed_on_one_rank_is_refused_on_every_rank_until_they_agree(request):
+    """A scheduler stepped on one rank only: before, that rank stepped its parameters apart
+    without a word."""
+    results = scenario(request, "settings_apart", 2)
+    for name in ("sgd", "fused-adamw"):
+        for rank, result in enumerate(results):
+            outcome = result[name]
+            for kind, message in outcome["outcomes"]:
+                assert kind == "_RanksApartError", (name, rank, kind, message)  # a RuntimeError
+                assert "lr=0.05" in message or "lr=0.01" in message, message
+                assert "rank 1" in message and "ReduceLROnPlateau" in message, message
+            assert outcome["unchanged"], (name, rank)
+            assert outcome["trained_again"], (name, rank)
+        assert results[0][name]["outcomes"] == results[1][name]["outcomes"], name
+        assert_same_on_every_rank([r[name]["params"] for r in results], f"{name} parameters")
