@@ -360,6 +360,8 @@ def build_row(name: str, workload: Workload, device) -> Built:
         optimizer._engine.side_stream = "stream" in knobs
         if "wait" in knobs:  # a fused AdamW steps after the verdict, as other optimizers do
             optimizer._ahead = False
+            for handle in optimizer._settle_hooks:  # (and backward runs no hook of its)
+                handle.remove()
         if "noadopt" in knobs:
             for bucket in optimizer._engine.buckets:
                 bucket.adopts = False

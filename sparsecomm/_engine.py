@@ -858,29 +858,32 @@ class BucketEngine:
         written over the old residuals (the kernels read it), so that :meth:`revert` can
         still drop the step: the host queues the averages first and waits after.
 
-        ``keep`` (with ``skip``): where ``skip`` holds True, also copy each old residual
-        over the new one, on the device, so that the residuals are the old ones already
-        and :meth:`drop` (not :meth:`revert`) drops the step. Then nothing written
-        through ``.grad`` before the host learns the verdict (clipping, say) can reach a
-        residual: ``.grad`` views a buffer that is a copy."""
+        ``keep`` (with ``skip``): where ``skip`` holds True, also move each old residual
+        over the new one and zero what ``.grad`` views, on the device, so that the
+        residuals are the old ones already and :meth:`drop` (not :meth:`revert`) drops
+        the step. Then nothing written through ``.grad`` before the host learns the
+        verdict (clipping, say) can reach a residual, and ``.grad`` reads as zeros there,
+        not as a refused average."""
         skips = {} if skip is None else {skip.device: skip}
         handed = 0
         for bucket in self.buckets:
             exchange = bucket.exchange
             compressor = self.compressor_of(bucket)
+            if skip is not None and bucket.device not in skips:
+                skips[bucket.device] = skip.to(bucket.device)
             if bucket.residual is None:  # nothing to keep: the buffer is this step's
                 compressor.finish(exchange, bucket.grad_buffer)
+                if keep:
+                    _ops.move_if(skips[bucket.device], bucket.grad_buffer)
             else:
-                if skip is not None and bucket.device not in skips:
-                    skips[bucket.device] = skip.to(bucket.device)
                 new_residual = bucket.grad_buffer
                 for member, position in enumerate(bucket.positions):
                     if not used[position]:
                         span = bucket.span(member)
                         new_residual[span] = bucket.residual[span]
                 compressor.finish(exchange, bucket.residual, skips.get(bucket.device))
-                if keep:  # (after finish: it waits for the side stream writing new_residual)
-                    _ops.copy_if(skips[bucket.device], bucket.residual, new_residual)
+                if keep:  # (launch_all() joined the side stream that wrote new_residual)
+                    _ops.move_if(skips[bucket.device], bucket.residual, new_residual)
                 bucket.swap()  # the average is in the old residual's buffer
             for member, (position, param) in enumerate(zip(bucket.positions, bucket.params)):
                 if not used[position]:
@@ -953,7 +956,7 @@ class BucketEngine:
 
     def drop(self) -> None:
         """Drop a step that :meth:`finish` finished with ``skip`` holding True and
-        ``keep``: the residuals hold the old ones already; the members' ``.grad`` is None."""
+        ``keep``: the residuals are the old ones already; the members' ``.grad`` is None."""
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad = None

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .triton_kernels import cast as _cast
-from .triton_kernels import copy_if as _copy_if
+from .triton_kernels import move_if as _move_if
 from .triton_kernels import scatter_add as _scatter_add
 from .triton_kernels import threshold as _threshold
 from .triton_kernels import topk as _topk
@@ -145,19 +145,21 @@ def scatter_add(indices, values, counts, numel, scale, out=None, skip=None):
     return impl(indices, values, counts, numel, scale, out=out, skip=skip)
 
 
-_COPY_IF = KernelSwitch("CompressedOptimizer's copy_if")
+_MOVE_IF = KernelSwitch("CompressedOptimizer's move_if")
 
 
-def copy_if(flag, src, dst) -> None:
-    """``dst.copy_(src)`` where the one-element bool ``flag`` holds True, decided on the
-    device (no host synchronisation on CUDA). Should the kernel fail, the reference (a
-    select over every element) does it from then on."""
-    impl = _pick(dst, _copy_if.copy_if, _copy_if.copy_if_cpu, _copy_if.copy_if_ref)
-    if impl is _copy_if.copy_if:
-        if not _COPY_IF.failed:
+def move_if(flag, src, dst=None) -> None:
+    """Where the one-element bool ``flag`` holds True, ``dst.copy_(src)`` (if ``dst`` is
+    given) and ``src.zero_()``; decided on the device (no host synchronisation on CUDA).
+    Should the kernel fail to run here, the reference (selects over every element) does it
+    from then on."""
+    impl = _pick(src, _move_if.move_if, _move_if.move_if_cpu, _move_if.move_if_ref)
+    if impl is _move_if.move_if:
+        _move_if.check_move_args(flag, src, dst)  # (a bad call is not the kernel's failure)
+        if not _MOVE_IF.failed:
             try:
                 return impl(flag, src, dst)
-            except Exception as error:  # (it did not compile here: checked before a launch)
-                _COPY_IF.fail(error)
-        impl = _copy_if.copy_if_ref
+            except Exception as error:  # (it did not compile here, say)
+                _MOVE_IF.fail(error)
+        impl = _move_if.move_if_ref
     impl(flag, src, dst)

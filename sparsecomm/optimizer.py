@@ -341,6 +341,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         exchange: str = "gradients",
         **unexpected: Any,
     ):
+        # A wrapper of this optimizer before this one: its step's verdict first, before any
+        # collective of this one (.grad may still view its scratch until then).
+        previous = _WRAPPERS.get(getattr(optimizer, "_sparsecomm_wrapper", None))
+        if previous is not None:
+            previous._settle()
         self._comm = Communicator(process_group)
         self._raise_agreed(
             _check_arguments(
@@ -431,18 +436,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._unapplied_steps = 0  # failed steps of this rank's left unapplied (not retried)
         self._step_stats = StepStats()
         # A fused torch Adam/AdamW steps before the host reads the step's verdict
-        # (_step_ahead): the end of backward leaves it pending here, (agreement, stats).
-        self._ahead = _steps_ahead_possible(optimizer)
-        self._pending: tuple[_Agreement, StepStats] | None = None
+        # (_step_ahead): the end of backward leaves it pending here, as (agreement, stats,
+        # whether the wrapped optimizer has stepped on it already).
+        self._ahead = _steps_ahead_possible(optimizer) and all(
+            group.get("fused") for group in optimizer.param_groups
+        )
+        self._pending: tuple[_Agreement, StepStats, bool] | None = None
+        self._settle_hooks: list = []  # (_register_hooks: only where self._ahead)
         # Marks the parameters' hooks and the wrapped optimizer as this wrapper's (a newer
         # wrapper of the same ones takes them over): a plain int, so that the model and
         # the wrapped optimizer still pickle (torch.save(model)).
         self._token = next(_TOKENS)
+        _WRAPPERS[self._token] = self
         self._stepping = False  # this wrapper is stepping the wrapped optimizer
         self._hooks: list = []
         self._register_hooks(self._params)
         self._hooks.append(self._guard_wrapped_step())
         weakref.finalize(self, _remove_hooks, self._hooks)
+        weakref.finalize(self, _remove_hooks, self._settle_hooks)
         self._fresh_hooks: list = []
         self._watch_fresh_gradients()
         weakref.finalize(self, _remove_hooks, self._fresh_hooks)
@@ -688,7 +699,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 if error is not None:
                     raise error
         if self._pending is not None:
-            if grad_scaler is None:
+            if grad_scaler is None or self._pending[2]:
                 return self._step_ahead(loss)
             self._settle()
         if self._retrying():  # the wrapped optimizer raised on these averages: again
@@ -729,25 +740,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
         step changes nothing there), and only then does the host wait for the verdict.
         The device runs the averages and the step while the host waits, instead of idling
         between the verdict and the step's launch (docs/step_ahead.md)."""
-        optimizer = self.optimizer
-        agreement = self._pending[0]
-        optimizer.grad_scale = None
-        optimizer.found_inf = agreement.refused.to(torch.float32).view(())
-        try:
-            self._step_wrapped()
-        except BaseException:
-            self._settle()
-            if self._refusal is None:  # as _apply records it: the next step() retries
-                self._finish_step(skipped=False)
+        agreement, stats, stepped = self._pending
+        if not stepped:  # (else a step() interrupted in its wait: the step is queued)
+            optimizer = self.optimizer
+            optimizer.grad_scale = None
+            optimizer.found_inf = agreement.refused.to(torch.float32).view(())
+            try:
+                self._step_wrapped()
+            except BaseException as error:
+                self._settle()
+                refusal = self._refusal
+                if refusal is not None:  # refused on every rank: raise what the others raise
+                    self._finish_step(skipped=True)
+                    raise refusal from error
+                self._finish_step(skipped=False)  # as _apply records it: step() retries
                 self._applying, self._averages = True, [p.grad for p in self._params]
-            else:  # refused anyway, and skipped on the device
-                self._finish_step(skipped=True)
-            raise
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
-        self._settle()
-        refusal = self._refusal
-        self._finish_step(skipped=refusal is not None)
+                raise
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+            self._pending = (agreement, stats, True)
+        refusal = self._settle()
         if refusal is not None:
             raise refusal
         self._overlapping = self.overlap and not self._scaler_seen
@@ -1324,7 +1336,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if early:
             stats.aggregate_seconds = self._finish(used_here, agreement.refused, keep=ahead)
         if ahead:
-            self._pending = (agreement, stats)
+            self._pending = (agreement, stats, False)
             self._synchronized = True
             return
         self._conclude(agreement, stats, found_inf, early)
@@ -1357,13 +1369,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._step_stats = stats
         self._synchronized = True
 
-    def _settle(self) -> None:
+    def _settle(self) -> RuntimeError | None:
         """Wait for the verdict of a step left pending at the end of backward (the host
         sync :meth:`_step_ahead` put off): afterwards the step is as :meth:`_synchronize`
-        leaves it. Everything that reads or changes the step's state calls it first."""
-        if self._pending is not None:
-            (agreement, stats), self._pending = self._pending, None
-            self._conclude(agreement, stats, [], early=True, kept=True)
+        leaves it, or, where the wrapped optimizer has stepped on it already, counted
+        (taken, or skipped where refused), and its refusal is returned. Everything that
+        reads or changes the step's state calls it first."""
+        if self._pending is None:
+            return None
+        agreement, stats, stepped = self._pending
+        self._conclude(agreement, stats, [], early=True, kept=True)
+        self._pending = None  # (not before: a wait interrupted leaves the step pending)
+        if not stepped:
+            return None
+        refusal = self._refusal
+        self._finish_step(skipped=refusal is not None)
+        return refusal
 
     def _may_step_ahead(self) -> bool:
         """Whether the wrapped optimizer can take this step before the host knows the
@@ -1665,7 +1686,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if param.requires_grad:
                 param._sparsecomm_owner = self._token
                 if self._ahead:
-                    self._hooks.append(param.register_hook(settle))
+                    self._settle_hooks.append(param.register_hook(settle))
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _guard_wrapped_step(self):
@@ -2089,6 +2110,7 @@ def _settings_fingerprint(optimizer: torch.optim.Optimizer) -> int:
 
 
 _TOKENS = itertools.count(1)  # CompressedOptimizer._token: one per wrapper in this process
+_WRAPPERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> wrapper
 
 
 def _ddp_holding(params: list[torch.Tensor]) -> torch.nn.Module | None:

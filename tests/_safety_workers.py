@@ -619,19 +619,38 @@ def sharded(rank, world_size, group):
     return out
 
 
+# _step_ahead_run's steps, in order: "nan" on the last rank; "clip" (error_if_nonfinite)
+# between backward and step; "again", a second backward before step(), which skips the
+# refused step; "skip", zero_grad() in place of step(); "raise", the wrapped optimizer's
+# step raising once (on an accepted step, step() is then called again).
+STEP_AHEAD_PLAN = (
+    "plain", "plain", "clip", "nan+clip", "plain", "nan", "nan+again", "nan+skip",
+    "nan+raise", "raise", "plain",
+)  # fmt: skip
+
+
 def _step_ahead_run(rank, world_size, group, ahead: bool, device="cpu", compressor=None):
     """The steps of :func:`step_ahead` under one wrapper: fused AdamW stepped ahead of the
-    verdict (``ahead``) or after it, as any other optimizer is."""
+    verdict (``ahead``) or after it, as any other optimizer is. Buckets of small
+    parameters (below ``min_compress_numel``) keep no residual, the others one."""
     bad_rank = world_size - 1
     model = make_model().to(device)
     params = list(model.parameters())
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     opt = sparsecomm.CompressedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True),
-        compressor or sparsecomm.TopK(0.1), min_compress_numel=0, process_group=group,
-    )  # fmt: skip
+        inner, compressor or sparsecomm.TopK(0.1), process_group=group
+    )
     if not ahead:
         opt._ahead = False
-    pending, outcomes = [], []
+    raising = []
+
+    def boom(optimizer, args, kwargs):
+        if raising:
+            raising.clear()
+            raise RuntimeError("the wrapped step raised")
+
+    inner.register_step_pre_hook(boom)
+    pending, outcomes, clear = [], [], []
 
     def backward(step: int, nan: bool = False) -> None:
         x, y = (t.to(device) for t in batch(rank, step))
@@ -640,33 +659,47 @@ def _step_ahead_run(rank, world_size, group, ahead: bool, device="cpu", compress
         torch.nn.functional.mse_loss(model(x), y).backward()
         pending.append(opt._pending is not None)
 
-    def step(clip: bool = False) -> None:
-        if clip:  # through .grad, between backward and step
-            torch.nn.utils.clip_grad_norm_(params, 0.05)
-        outcomes.append(attempt(opt.step, Exception))
-
-    for plan in ("plain", "plain", "clip", "nan+clip", "plain", "nan", "nan+again", "nan"):
-        index = len(outcomes)
+    for index, plan in enumerate(STEP_AHEAD_PLAN):
         backward(index, nan="nan" in plan)
-        if plan == "nan+again":  # a backward more, no step(): the refused step is skipped
+        if "again" in plan:
             backward(index + 100)
-        if plan == "nan" and index == 7:  # zero_grad() instead of step(): skipped
+        if "nan" in plan and "again" not in plan:  # .grad holds nothing of the refused step
+            clear.append(all(p.grad is None or not p.grad.any() for p in params))
+        if "clip" in plan:  # through .grad, between backward and step
+            outcomes.append(
+                attempt(lambda: torch.nn.utils.clip_grad_norm_(params, 0.05, 2.0, True), Exception)
+            )
+        if "skip" in plan:
             outcomes.append(("zero_grad", None))
         else:
-            step(clip="clip" in plan)
+            if "raise" in plan:
+                raising.append(True)
+            outcomes.append(attempt(opt.step, Exception))
+            if outcomes[-1][0] == "RuntimeError":  # the wrapped step raised: again
+                outcomes.append(attempt(opt.step, Exception))
         opt.zero_grad()
     state = state_of(opt, params)
-    return {"outcomes": outcomes, "pending": pending, "state": state, "params": flat(params).cpu()}
+    return {
+        "outcomes": outcomes, "pending": pending, "clear": clear, "state": state,
+        "params": flat(params).cpu(),
+    }  # fmt: skip
 
 
 def step_ahead(rank, world_size, group):
     """A fused AdamW steps before the host reads the step's verdict (the device skips a
     refused step): the same bits, errors and state as when it steps after, through refused
-    steps, clipping between backward and step (a refused step's too), and a backward after a
-    refused one without step()."""
+    steps, clipping between backward and step (a refused step's too), a backward after a
+    refused one without step(), and a wrapped step that raises; with TopK (residuals, and
+    small buckets without) and with Dense (no residual)."""
     return {
-        "ahead": _step_ahead_run(rank, world_size, group, ahead=True),
-        "after": _step_ahead_run(rank, world_size, group, ahead=False),
+        name: {
+            "ahead": _step_ahead_run(rank, world_size, group, True, compressor=compressor()),
+            "after": _step_ahead_run(rank, world_size, group, False, compressor=compressor()),
+        }
+        for name, compressor in (
+            ("topk", lambda: sparsecomm.TopK(0.1)),
+            ("dense", sparsecomm.Dense),
+        )
     }
 
 

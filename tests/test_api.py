@@ -1001,3 +1001,71 @@ def test_a_model_and_optimizer_under_the_wrapper_still_save_whole():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert torch.equal(_flat(loaded), _flat(model))
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["accepted", "refused"])
+def test_a_step_ahead_interrupted_in_its_wait_is_finished_by_the_next_step_call(
+    refused, monkeypatch
+):
+    # A fused AdamW steps before the host reads the verdict. Should that wait be
+    # interrupted (KeyboardInterrupt), the step is queued already: step() again must wait
+    # and count it, not step the optimizer a second time, nor apply a refused step.
+    def run(interrupt: bool):
+        model = small_model()
+        opt = sparsecomm.CompressedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01, fused=True), sparsecomm.TopK(0.05)
+        )
+        train(model, opt, 2)
+        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(5))
+        if refused:
+            x[0, 0] = float("nan")
+        model(x).pow(2).mean().backward()
+        assert opt._pending is not None  # (it did step ahead)
+        if interrupt:
+            agree = opt._agree_on_step
+            calls = []
+
+            def interrupted(agreement):
+                if not calls:
+                    calls.append(1)
+                    raise KeyboardInterrupt
+                return agree(agreement)
+
+            monkeypatch.setattr(opt, "_agree_on_step", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+        outcome = "ok"
+        try:
+            opt.step()
+        except sparsecomm.NonFiniteGradientError:
+            outcome = "refused"
+        opt.zero_grad()
+        train(model, opt, 1, seed=7)
+        return outcome, opt.steps_taken, _flat(model), opt.optimizer.state_dict()["state"]
+
+    plain, interrupted = run(False), run(True)
+    assert plain[0] == interrupted[0] == ("refused" if refused else "ok")
+    assert plain[1] == interrupted[1]
+    assert torch.equal(plain[2], interrupted[2])
+    for key, value in plain[3].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(value[name], interrupted[3][key][name]), (key, name)
+
+
+def test_wrapping_again_while_a_step_is_pending_settles_it_first():
+    # Between backward and step() of a step the fused AdamW would take ahead, .grad views
+    # the wrapper's scratch. A new wrapper of the same optimizer built there waits for the
+    # old one's verdict first: on a refused step .grad is then None, as after any refusal,
+    # and the new wrapper does not send the scratch as gradients.
+    model = small_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    opt = sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.05))
+    train(model, opt, 2)
+    x = torch.randn(8, 40)
+    x[0, 0] = float("nan")
+    model(x).pow(2).mean().backward()
+    assert opt._pending is not None
+    assert any(p.grad is not None for p in model.parameters())  # (zeros, until the verdict)
+    sparsecomm.CompressedOptimizer(inner, sparsecomm.TopK(0.05))
+    assert opt._pending is None
+    assert all(p.grad is None for p in model.parameters())

@@ -741,9 +741,20 @@ def test_a_fused_adamw_stepped_ahead_of_the_verdict_matches_one_stepped_after(re
     """The step-ahead path (the host waits for the verdict after queuing the fused step)
     gives the same bits, errors and checkpoint as the waiting path, refused steps and all."""
     results = scenario(request, "step_ahead", world_size)
-    for rank, result in enumerate(results):
-        check_step_ahead(result["ahead"], result["after"], rank)
-    assert_same_on_every_rank([r["ahead"]["params"] for r in results], "parameters")
+    for name in ("topk", "dense"):
+        for rank, result in enumerate(results):
+            check_step_ahead(result[name]["ahead"], result[name]["after"], rank)
+        assert_same_on_every_rank([r[name]["ahead"]["params"] for r in results], "parameters")
+
+
+# What each of _safety_workers.STEP_AHEAD_PLAN's steps gives: step() or the clip before it.
+STEP_AHEAD_OUTCOMES = [
+    "ok", "ok", "ok", "ok",  # plain, plain, clip (the clip, the step)
+    "ok", "NonFiniteGradientError",  # nan+clip
+    "ok", "NonFiniteGradientError", "ok", "zero_grad",  # plain, nan, nan+again, nan+skip
+    "NonFiniteGradientError",  # nan+raise: the refusal, not the wrapped step's error
+    "RuntimeError", "ok", "ok",  # raise, then step() again; plain
+]  # fmt: skip
 
 
 def check_step_ahead(ahead: dict, after: dict, rank: int = 0) -> None:
@@ -752,9 +763,11 @@ def check_step_ahead(ahead: dict, after: dict, rank: int = 0) -> None:
     assert not ahead["pending"][0] and all(ahead["pending"][1:]), (rank, ahead["pending"])
     assert not any(after["pending"]), (rank, after["pending"])
     kinds = [kind for kind, _ in ahead["outcomes"]]
-    assert kinds == ["ok", "ok", "ok", "NonFiniteGradientError", "ok",
-                     "NonFiniteGradientError", "ok", "zero_grad"], (rank, kinds)  # fmt: skip
+    assert kinds == STEP_AHEAD_OUTCOMES, (rank, kinds)
     assert ahead["outcomes"] == after["outcomes"], rank
+    # Between backward and step() of a refused step, .grad holds nothing of it: zeros
+    # (ahead) or None (after).
+    assert all(ahead["clear"]) and all(after["clear"]), (rank, ahead["clear"], after["clear"])
     assert ahead["state"] == after["state"], f"rank {rank}: state differs"
     assert torch.equal(bits(ahead["params"]), bits(after["params"])), rank
 

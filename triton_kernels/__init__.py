@@ -15,7 +15,8 @@ module             operation
 ``scatter_add``    deterministic sum of W ranks' (index, value) messages
 ``catchup``        ``sparsecomm.CatchUpAdamW``'s step of one parameter, one pass
 ``adam_score``     ``TopK(select="adam")``: a bucket scored in Adam's units, its k best
-``copy_if``        a copy decided by a flag on the device (a fused Adam stepped ahead)
+``move_if``        a copy and a zeroing decided by a flag on the device (a fused Adam
+                   stepped ahead of the verdict)
 =================  ==========================================================
 
 ``MAX_NUMEL`` (``2**31 - 1``, from ``_checks``) is the one definition of the int32 index
