@@ -950,9 +950,7 @@ class BucketEngine:
                 bucket.swap()
             if bucket.velocity is not None:
                 bucket.velocity, bucket.next_velocity = bucket.next_velocity, bucket.velocity
-            for param in bucket.params:
-                param.grad = None
-        self.fresh.clear()
+        self.drop()
 
     def drop(self) -> None:
         """Drop a step that :meth:`finish` finished with ``skip`` holding True and

@@ -155,10 +155,11 @@ def move_if(flag, src, dst=None) -> None:
     from then on."""
     impl = _pick(src, _move_if.move_if, _move_if.move_if_cpu, _move_if.move_if_ref)
     if impl is _move_if.move_if:
-        _move_if.check_move_args(flag, src, dst)  # (a bad call is not the kernel's failure)
         if not _MOVE_IF.failed:
             try:
                 return impl(flag, src, dst)
+            except ValueError:  # a bad call (its argument check), not the kernel's failure
+                raise
             except Exception as error:  # (it did not compile here, say)
                 _MOVE_IF.fail(error)
         impl = _move_if.move_if_ref

@@ -438,9 +438,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # A fused torch Adam/AdamW steps before the host reads the step's verdict
         # (_step_ahead): the end of backward leaves it pending here, as (agreement, stats,
         # whether the wrapped optimizer has stepped on it already).
-        self._ahead = _steps_ahead_possible(optimizer) and all(
-            group.get("fused") for group in optimizer.param_groups
-        )
+        self._ahead = _steps_ahead_possible(optimizer)
         self._pending: tuple[_Agreement, StepStats, bool] | None = None
         self._settle_hooks: list = []  # (_register_hooks: only where self._ahead)
         # Marks the parameters' hooks and the wrapped optimizer as this wrapper's (a newer
@@ -1392,14 +1390,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         the device when handed the refusal as ``found_inf`` (as under ``GradScaler``),
         its state and step count included. Not when profiling (which times each phase) or
         with a velocity to restore."""
-        optimizer = self.optimizer
         return (
             self._ahead
             and not self.profile
             and self.momentum_correction is None
-            and all(group.get("fused") for group in optimizer.param_groups)
-            and getattr(optimizer, "found_inf", None) is None
-            and _steps_ahead_possible(optimizer)
+            and getattr(self.optimizer, "found_inf", None) is None
+            and _steps_ahead_possible(self.optimizer)
         )
 
     def _refused_stats(self) -> StepStats:
@@ -1617,7 +1613,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The error of a step whose agreement found the ranks apart: their positions plus
         their settings' fingerprints differed. Every rank found it in the same sum, so every
         rank runs this one collective (rare: it names what differs) and raises alike."""
-        everyone = self._comm.all_gather_object((self._position(), _group_settings(self.optimizer)))
+        settings = _group_settings(self.optimizer, step=True)
+        everyone = self._comm.all_gather_object((self._position(), settings))
         positions = [position for position, _ in everyone]
         if len(set(positions)) > 1:
             return _ranks_apart_error(positions)
@@ -2065,38 +2062,32 @@ def _optimizer_classes(optimizer: torch.optim.Optimizer) -> list[str]:
 def _optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
     """The wrapped optimizer's class and each parameter group's settings (numbers, flags,
     strings and tuples of them; not its parameters), as the ranks compare them."""
+    # (as text: a NaN setting equals itself there)
+    return f"{type(optimizer).__name__} {_group_settings(optimizer)}"
+
+
+def _group_settings(optimizer: torch.optim.Optimizer, step: bool = False) -> list[dict]:
+    """Each parameter group's settings that are numbers, flags, strings or tuples of them
+    (a one-element tensor read as its number). ``step``: as each step compares them, only
+    those the wrapped optimizer has a default for (its hyperparameters: lr, betas,
+    weight_decay, ...; not keys a scheduler adds), and a CUDA tensor left out (reading it
+    would be a host sync)."""
     plain = (bool, int, float, str, type(None))
+    keys = optimizer.defaults if step else None
     groups = []
     for group in optimizer.param_groups:
         settings = {}
         for key, value in sorted(group.items()):
+            if keys is not None and key not in keys:
+                continue
             if torch.is_tensor(value) and value.numel() == 1:  # (a tensor learning rate)
+                if step and value.is_cuda:
+                    continue
                 value = value.item()
             if isinstance(value, plain) or (
                 isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value)
             ):
                 settings[key] = value
-        groups.append(settings)
-    # (as text: a NaN setting equals itself there)
-    return f"{type(optimizer).__name__} {groups}"
-
-
-def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's value of every setting the wrapped optimizer has a default
-    for (its hyperparameters: lr, betas, weight_decay, ...), as every rank must share them.
-    A tensor setting is read where that costs no host sync (on the CPU); a CUDA one is
-    left out."""
-    keys = sorted(optimizer.defaults)
-    groups = []
-    for group in optimizer.param_groups:
-        settings = {}
-        for key in keys:
-            value = group.get(key)
-            if torch.is_tensor(value):
-                if value.is_cuda or value.numel() != 1:
-                    continue
-                value = value.item()
-            settings[key] = value
         groups.append(settings)
     return groups
 
@@ -2106,7 +2097,7 @@ def _settings_fingerprint(optimizer: torch.optim.Optimizer) -> int:
     puts into a step's agreement: ranks whose settings differ are found apart there (a
     learning rate changed on some ranks only), at no extra collective. ``repr`` of a float
     is exact, and crc32 is the same in every process (``hash`` of a str is not)."""
-    return zlib.crc32(repr(_group_settings(optimizer)).encode()) % _POSITION_MODULUS
+    return zlib.crc32(repr(_group_settings(optimizer, step=True)).encode()) % _POSITION_MODULUS
 
 
 _TOKENS = itertools.count(1)  # CompressedOptimizer._token: one per wrapper in this process
@@ -2470,8 +2461,10 @@ def _foreach_sub_(targets: list[torch.Tensor], amounts: list[torch.Tensor]) -> N
 
 def _steps_ahead_possible(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` is torch's own Adam/AdamW step (through any
-    ``functools.wraps`` wrapper, a learning-rate scheduler's say), which skips on the device
-    when ``found_inf`` is set and the group is fused (``_may_step_ahead``)."""
+    ``functools.wraps`` wrapper, a learning-rate scheduler's say) with ``fused=True`` in
+    every group: it then skips on the device when ``found_inf`` is set
+    (``_may_step_ahead``)."""
     step = optimizer.step
     step = inspect.unwrap(getattr(step, "__func__", step))
-    return any(step is inspect.unwrap(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW))
+    torch_adam = any(step is inspect.unwrap(c.step) for c in (torch.optim.Adam, torch.optim.AdamW))
+    return torch_adam and all(group.get("fused") for group in optimizer.param_groups)
